@@ -1,0 +1,52 @@
+# specserve: `make run` starts the local cluster, `make test` runs the tests.
+# Every target sets up what it needs (venv, packages, protos, models) and is quick when done.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+PROTOS  = $(wildcard protos/specserve/v1/*.proto)
+GEN     = services/v1/.generated
+export HF_HUB_OFFLINE = 1
+export TOKENIZERS_PARALLELISM = false
+
+.PHONY: setup install proto models run test bench lint clean
+
+setup: install proto models
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+# Generated code lands in services/v1 (the import package specserve.v1), matching the proto package.
+$(GEN): $(PROTOS) $(STAMP)
+	rm -rf build/proto && mkdir -p build/proto
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=build/proto --pyi_out=build/proto \
+		--grpc_python_out=build/proto $(PROTOS)
+	cp build/proto/specserve/v1/*.py build/proto/specserve/v1/*.pyi services/v1/
+	touch $@
+
+proto: $(GEN)
+
+models: $(STAMP) $(GEN)
+	$(VENV)/bin/specserve models fetch
+
+run: setup
+	$(VENV)/bin/specserve up
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	@echo "nothing yet: benchmarks arrive with speculative decoding"
+
+lint: install proto
+	$(VENV)/bin/ruff check services tests
+	$(VENV)/bin/ruff format --check services tests
+
+clean:
+	rm -rf build services/v1/*_pb2*.py services/v1/*_pb2*.pyi $(GEN)

@@ -1,0 +1,124 @@
+"""The `specserve` command: serve one service, start the local cluster, generate, manage models."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .common.settings import ConfigError, ServiceSettings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SERVICES = ("gateway", "scheduler", "verifier", "drafter")
+
+
+def _models(args: argparse.Namespace) -> int:
+    from .common import models
+
+    cache = args.cache_dir or ServiceSettings.load(args.config).model_cache_dir
+    if args.models_cmd == "list":
+        rows = models.list_models(cache)
+        print(f"{'MODEL':40} {'STATE':12} SHA256")
+        for r in rows:
+            print(f"{r['name'] + '@' + r['version']:40} {r['state']:12} {r['sha256'][:16]}")
+        return 0
+    refs = args.models or [f"{n}@{v}" for n, v in models.DEFAULT_MODELS]
+    for ref in refs:
+        name, _, version = ref.partition("@")
+        if not version:
+            print(f"error: name models as NAME@VERSION, got {ref!r}", file=sys.stderr)
+            return 2
+        path = models.fetch(name, version, cache, force=args.force)
+        print(f"{name}@{version}: verified, at {path}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .common.service import run_service
+
+    return run_service(args.service, args.config, port=args.port)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from .local_cluster import run_local_cluster
+
+    return run_local_cluster(args.config, redis_url=args.redis_url, port=args.port)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .client import generate_to_terminal
+
+    return generate_to_terminal(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specserve",
+        description="Speculative-decoding LLM inference service.",
+        epilog="Quick start: `specserve models fetch`, then `specserve up`, then "
+        "`specserve generate \"Write a haiku about Redis\"` in another terminal.",
+    )
+    p.add_argument("--config", help="YAML config file (sections: common, gateway, scheduler, "
+                   "verifier, drafter); env SPECSERVE_<SERVICE>_<KEY> overrides it",
+                   default=os.environ.get("SPECSERVE_CONFIG"))
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run one service in the foreground")
+    s.add_argument("service", choices=SERVICES)
+    s.add_argument("--port", type=int, help="listen port (overrides config)")
+    s.set_defaults(func=_serve)
+
+    u = sub.add_parser("up", help="start the whole local cluster (Redis + four services)")
+    u.add_argument("--redis-url", help="use this Redis instead of starting a private one")
+    u.add_argument("--port", type=int, default=50051, help="gateway port (default 50051)")
+    u.set_defaults(func=_up)
+
+    g = sub.add_parser("generate", help="stream a completion from a running gateway")
+    g.add_argument("prompt", help="prompt text (sent as a chat message unless --raw)")
+    g.add_argument("--address", default="127.0.0.1:50051", help="gateway host:port")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    g.add_argument("--batch", action="store_true", help="use the batch priority class")
+    g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    g.set_defaults(func=_generate)
+
+    m = sub.add_parser("models", help="fetch and list models")
+    m.add_argument("--cache-dir", help="model cache directory (default from config)")
+    msub = m.add_subparsers(dest="models_cmd", required=True)
+    f = msub.add_parser("fetch", help="download, verify (sha256) and convert models")
+    f.add_argument("models", nargs="*", help="NAME@VERSION (default: the default pair)")
+    f.add_argument("--force", action="store_true", help="fetch again even if verified")
+    msub.add_parser("list", help="show catalog models and whether they are fetched")
+    m.set_defaults(func=_models)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"configuration error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # the CLI's last line of defence: a message, not a traceback
+        from .common.models import ModelError
+
+        if isinstance(e, ModelError):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Code shared by every service: settings, Redis schema, gRPC scaffolding, telemetry, models."""

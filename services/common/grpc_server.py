@@ -1,0 +1,73 @@
+"""gRPC server scaffolding shared by every service: health, reflection, graceful drain."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+class Server:
+    """A gRPC server with grpc.health.v1 and reflection for the given services.
+
+    `service_names` are full proto names (e.g. "specserve.v1.Generation"); health reports
+    each of them and "" (the whole server). Readiness is set with `set_serving`.
+    """
+
+    def __init__(self, host: str, port: int, service_names: Iterable[str], max_workers: int = 32):
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc
+        )
+        self.port = self.grpc.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind {host}:{port}")
+        self.stopped = threading.Event()
+        self.set_serving(False)
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        self.grpc.start()
+
+    def run_until_signal(self, drain_seconds: float, on_stop: Callable[[], None] = lambda: None):
+        """Serves until SIGTERM/SIGINT, then reports NOT_SERVING and drains in-flight RPCs."""
+
+        def _stop(signum, _frame):
+            log.info("signal received, draining", extra={"signal": signum})
+            self.stopped.set()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        self.stopped.wait()
+        self.set_serving(False)
+        on_stop()
+        self.grpc.stop(drain_seconds).wait()
+        log.info("stopped")

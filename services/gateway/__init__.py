@@ -1,0 +1,1 @@
+"""Gateway: the public Generate stream, validation, tokenization and detokenization."""

@@ -1,0 +1,203 @@
+"""Gateway gRPC service: the public Generation API."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+import grpc
+from google.protobuf import json_format
+
+from ..common import models
+from ..common.grpc_server import Server
+from ..common.settings import GatewaySettings
+from ..common.store import RequestStore
+from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2
+from ..v1 import scheduler_pb2_grpc
+from .text import IncrementalDetokenizer, StopTrimmer
+from .validation import InvalidRequest, Limits, check_prompt_length, find_invalid_utf8, validate
+
+log = logging.getLogger(__name__)
+
+TAIL_BLOCK_MS = 500
+
+
+class _BadBytes:
+    """Stands in for a request whose bytes do not parse; the handler answers INVALID_ARGUMENT."""
+
+    def __init__(self, field: str):
+        self.field = field
+
+
+def _deserialize(raw: bytes):
+    try:
+        return generation_pb2.GenerateRequest.FromString(raw)
+    except Exception:
+        try:
+            field = find_invalid_utf8(raw)
+        except Exception:
+            field = None
+        return _BadBytes(field or "request")
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, settings: GatewaySettings, tokenizer, store: RequestStore,
+                 scheduler: scheduler_pb2_grpc.SchedulerStub, manifest: dict):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.store = store
+        self.scheduler = scheduler
+        self.manifest = manifest
+        self.limits = Limits(
+            vocab_size=len(tokenizer), max_seq_len=settings.max_seq_len,
+            max_tokens_limit=settings.max_tokens_limit,
+            max_stop_strings=settings.max_stop_strings,
+            max_stop_length=settings.max_stop_length,
+        )
+
+    # --- Generate ---------------------------------------------------------------------------
+    def Generate(self, request, context):
+        if isinstance(request, _BadBytes):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{request.field}: is not valid UTF-8 (or the message is malformed)")
+        try:
+            submit = self._to_submit(request, context)
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = submit.request_id
+        try:
+            self.scheduler.Submit(submit, timeout=self.settings.timeout_seconds)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
+                context.set_trailing_metadata(e.trailing_metadata() or ())
+                context.abort(code, e.details())
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          "the scheduler is unavailable; retry shortly")
+        finished = False
+
+        def on_done() -> None:
+            if not finished:
+                self._cancel_quietly(rid)
+
+        context.add_callback(on_done)
+        yield from self._stream(rid, list(submit.stop), context)
+        finished = True
+
+    def _to_submit(self, req, context) -> scheduler_pb2.SubmitRequest:
+        validate(req, self.limits)
+        which = req.WhichOneof("input")
+        if which == "prompt_ids":
+            ids = list(req.prompt_ids.ids)
+        elif which == "prompt":
+            ids = self.tokenizer(req.prompt).input_ids
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False)
+            ids = self.tokenizer(text).input_ids
+        if not ids:
+            raise InvalidRequest(which, "tokenizes to no tokens")
+        check_prompt_length(len(ids), self.limits)
+        remaining = context.time_remaining()
+        deadline_ms = int((time.time() + remaining) * 1000) if remaining else 0
+        priority = req.priority or common_pb2.PRIORITY_CLASS_INTERACTIVE
+        return scheduler_pb2.SubmitRequest(
+            request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids,
+            max_tokens=req.max_tokens or self.limits.default_max_tokens,
+            sampling=req.sampling, stop=list(req.stop), priority=priority,
+            speculation=req.speculation, deadline_unix_ms=deadline_ms)
+
+    def _stream(self, rid: str, stop: list[str], context):
+        detok = IncrementalDetokenizer(
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        trimmer = StopTrimmer(stop)
+        last_id = "0-0"
+        while context.is_active():
+            for entry_id, fields in self.store.tail(rid, last_id, TAIL_BLOCK_MS):
+                last_id = entry_id
+                ids = [int(t) for t in fields["ids"].split(",")] if fields.get("ids") else []
+                if ids:
+                    text = trimmer.push(detok.add(ids))
+                    yield generation_pb2.GenerateResponse(
+                        request_id=rid, text=text, token_ids=ids,
+                        first_index=int(fields["first"]))
+                if "final" in fields:
+                    yield self._final_chunk(rid, json.loads(fields["final"]),
+                                            trimmer.push(detok.flush()) + trimmer.flush(),
+                                            int(fields["first"]), context)
+                    return
+
+    def _final_chunk(self, rid: str, final: dict, text: str, first: int, context):
+        error = final.pop("error", "")
+        if final.get("finish_reason") == "FINISH_REASON_ERROR":
+            context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error or 'unknown'}")
+        if final.get("finish_reason") == "FINISH_REASON_CANCELLED":
+            context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
+        info = json_format.ParseDict(final, generation_pb2.FinalInfo(),
+                                     ignore_unknown_fields=True)
+        return generation_pb2.GenerateResponse(request_id=rid, text=text, first_index=first,
+                                               final=info)
+
+    def _cancel_quietly(self, rid: str) -> None:
+        try:
+            self.scheduler.Cancel(scheduler_pb2.SchedulerCancelRequest(request_id=rid),
+                                  timeout=self.settings.timeout_seconds)
+        except grpc.RpcError as e:
+            log.warning("cancel after disconnect failed",
+                        extra={"request_id": rid, "code": str(e.code())})
+
+    # --- Cancel, GetModelInfo -----------------------------------------------------------------
+    def Cancel(self, request, context):
+        if not request.request_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        try:
+            resp = self.scheduler.Cancel(
+                scheduler_pb2.SchedulerCancelRequest(request_id=request.request_id),
+                timeout=self.settings.timeout_seconds)
+        except grpc.RpcError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable; retry")
+        return generation_pb2.CancelResponse(cancelled=resp.cancelled)
+
+    def GetModelInfo(self, request, context):
+        ref = self.settings.model
+        return generation_pb2.ModelInfo(
+            name=self.manifest.get("name", ref.label), version=self.manifest.get("version", ""),
+            vocab_size=self.limits.vocab_size, max_seq_len=self.limits.max_seq_len,
+            max_tokens_limit=self.limits.max_tokens_limit, sha256=self.manifest.get("sha256", ""))
+
+
+def _handler(service: GenerationService) -> grpc.GenericRpcHandler:
+    """The generated handler, with a Generate deserializer that reports bad bytes cleanly."""
+    name = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    return grpc.method_handlers_generic_handler(name, {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_deserialize,
+            response_serializer=generation_pb2.GenerateResponse.SerializeToString),
+        "Cancel": grpc.unary_unary_rpc_method_handler(
+            service.Cancel, request_deserializer=generation_pb2.CancelRequest.FromString,
+            response_serializer=generation_pb2.CancelResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetModelInfo,
+            request_deserializer=generation_pb2.GetModelInfoRequest.FromString,
+            response_serializer=generation_pb2.ModelInfo.SerializeToString),
+    })
+
+
+def build(settings: GatewaySettings):
+    path, manifest = models.resolve(settings.model, settings.model_cache_dir)
+    tokenizer = models.load_tokenizer(path)
+    store = RequestStore.from_url(settings.redis_url)
+    store.r.ping()
+    scheduler = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(settings.scheduler_address))
+    service = GenerationService(settings, tokenizer, store, scheduler, manifest)
+    server = Server(settings.host, settings.port,
+                    [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+                    max_workers=settings.max_workers)
+    server.grpc.add_generic_rpc_handlers((_handler(service),))
+    server.start()
+    server.set_serving(True)
+    log.info("gateway ready", extra={"port": server.port, "model": settings.model.label})
+    return server, lambda: None

@@ -1,0 +1,182 @@
+"""Starts a whole cluster on this machine: a private redis-server, then the four services as
+separate processes. Used by `specserve up` and by the tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+START_ORDER = ("scheduler", "verifier", "drafter", "gateway")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    """A cluster of processes sharing one YAML config written to `workdir`."""
+
+    config: dict[str, Any]
+    workdir: Path
+    redis_url: str | None = None
+    procs: dict[str, Proc] = field(default_factory=dict)
+    redis: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.workdir / "config.yaml"
+
+    def start_redis(self) -> str:
+        if shutil.which("redis-server") is None:
+            raise ClusterError("redis-server is not installed (apt-get install redis-server), "
+                               "or pass --redis-url")
+        port = free_port()
+        self.redis = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=open(self.workdir / "redis.log", "w"), stderr=subprocess.STDOUT)
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        for _ in range(100):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return self.redis_url
+            time.sleep(0.05)
+        raise ClusterError("redis-server did not start; see " + str(self.workdir / "redis.log"))
+
+    def start(self, timeout: float = 600.0, gateway_port: int = 0,
+              services: tuple[str, ...] = START_ORDER) -> LocalCluster:
+        if self.redis_url is None:
+            self.start_redis()
+        common = self.config.setdefault("common", {})
+        common["redis_url"] = self.redis_url
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        for name in services:
+            env = {}
+            if name == "gateway":
+                env["SPECSERVE_GATEWAY_SCHEDULER_ADDRESS"] = self.procs["scheduler"].address
+            self.start_service(name, env, port=gateway_port if name == "gateway" else 0)
+        for name in services:
+            self.wait_ready(name, timeout)
+        return self
+
+    def start_service(self, name: str, env: dict[str, str] | None = None, port: int = 0,
+                      instance: str | None = None) -> Proc:
+        key = instance or name
+        log_path = self.workdir / f"{key}.log"
+        cmd = [sys.executable, "-m", "specserve.cli", "--config", str(self.config_path),
+               "serve", name, "--port", str(port)]
+        popen = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                                 env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+                                 start_new_session=True)
+        self.procs[key] = Proc(key, popen, log_path)
+        if name == "scheduler":  # the gateway needs its port before it starts
+            self.wait_ready(key, 120)
+        return self.procs[key]
+
+    def wait_ready(self, key: str, timeout: float) -> Proc:
+        proc = self.procs[key]
+        deadline = time.monotonic() + timeout
+        pattern = re.compile(r"SPECSERVE_READY \w+ (\d+)")
+        while time.monotonic() < deadline:
+            if m := pattern.search(proc.log_text()):
+                proc.port = int(m.group(1))
+                return proc
+            if proc.popen.poll() is not None:
+                tail = "\n".join(proc.log_text().splitlines()[-15:])
+                raise ClusterError(f"{key} exited with {proc.popen.returncode}:\n{tail}")
+            time.sleep(0.1)
+        raise ClusterError(f"{key} not ready after {timeout:.0f}s; see {proc.log_path}")
+
+    def kill(self, key: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(key)
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(sig)
+            proc.popen.wait(timeout=30)
+
+    def stop(self) -> None:
+        for key in reversed(list(self.procs)):
+            p = self.procs[key].popen
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for key in list(self.procs):
+            p = self.procs[key].popen
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+        if self.redis and self.redis.poll() is None:
+            self.redis.terminate()
+            self.redis.wait(timeout=10)
+
+
+def run_local_cluster(config_path: str | None, redis_url: str | None, port: int) -> int:
+    """`specserve up`: start everything, print how to use it, stop it all on Ctrl-C."""
+    config = yaml.safe_load(Path(config_path).read_text()) if config_path else {}
+    config = config or {}
+    workdir = Path(tempfile.mkdtemp(prefix="specserve-"))
+    cluster = LocalCluster(config, workdir, redis_url=redis_url)
+    started = time.monotonic()
+    print(f"starting the local cluster (logs in {workdir}) ...", flush=True)
+    try:
+        cluster.start(gateway_port=port)
+        gateway = cluster.procs["gateway"].address
+        print(f"\nready in {time.monotonic() - started:.1f}s. gateway: {gateway}  "
+              f"redis: {cluster.redis_url}\n"
+              f"try:  specserve generate --address {gateway} \"Write a Python function that "
+              "reverses a string.\"\n"
+              f"  or: grpcurl -plaintext -d '{{\"prompt\": \"def fib(n):\", \"max_tokens\": 32}}' "
+              f"{gateway} specserve.v1.Generation/Generate\n"
+              "Ctrl-C stops everything.", flush=True)
+        while all(p.popen.poll() is None for p in cluster.procs.values()):
+            time.sleep(0.5)
+        dead = [k for k, p in cluster.procs.items() if p.popen.poll() is not None]
+        print(f"{', '.join(dead)} exited; stopping the cluster (logs in {workdir})",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        return 0
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()

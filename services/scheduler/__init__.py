@@ -1,0 +1,1 @@
+"""Scheduler: owns the queues and placement of requests on verifiers."""

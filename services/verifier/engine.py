@@ -1,0 +1,146 @@
+"""The verifier's decode loop: admit, step every running sequence, commit, emit, retire.
+
+One thread runs the loop; RPC handlers only hand it work through `admit` and `cancel`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import redis
+import torch
+
+from ..common.store import RequestStore
+from .runner import ModelRunner
+from .sampling import make_generator, sample_next
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, store: RequestStore, *, batch_size: int,
+                 max_seq_len: int, eos_ids: set[int], decode: Callable[[list[int]], str]):
+        self.runner = runner
+        self.store = store
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len
+        self.eos_ids = eos_ids
+        self.decode = decode
+        self.running: dict[str, Sequence] = {}  # owned by the loop thread
+        self._inbox: queue.Queue[Sequence] = queue.Queue()
+        self._reserved = 0  # admitted, not yet picked up by the loop
+        self._cancel: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.steps = 0
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    # --- called from RPC threads ----------------------------------------------------------
+    def reserve(self) -> bool:
+        """Takes a batch slot for an admission; False when the batch is full."""
+        with self._lock:
+            if len(self.running) + self._reserved >= self.batch_size:
+                return False
+            self._reserved += 1
+            return True
+
+    def unreserve(self) -> None:
+        with self._lock:
+            self._reserved -= 1
+
+    def admit(self, seq: Sequence) -> None:
+        """Hands a reserved, claimed sequence to the loop; it joins at the next step."""
+        seq.generator = make_generator(seq.params)
+        self._inbox.put(seq)
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            found = request_id in self.running or any(
+                s.request_id == request_id for s in list(self._inbox.queue))
+            self._cancel.add(request_id)
+        return found
+
+    def snapshot(self) -> tuple[int, list[str]]:
+        with self._lock:
+            ids = list(self.running)
+            return len(ids) + self._reserved, ids
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=30)
+
+    # --- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._take_new(block=not self.running)
+            if self.running:
+                try:
+                    self.step()
+                except redis.RedisError:
+                    log.exception("redis error in step; retrying")
+                    self._stop.wait(0.5)
+
+    def _take_new(self, block: bool) -> None:
+        try:
+            seq = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            with self._lock:
+                self.running[seq.request_id] = seq
+                self._reserved -= 1
+            try:
+                seq = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def step(self) -> None:
+        """Plan, decode, commit, emit: one token for every running sequence."""
+        seqs = list(self.running.values())
+        with self._lock:
+            for seq in seqs:
+                seq.cancelled |= seq.request_id in self._cancel
+        for seq in seqs:
+            if not seq.cancelled:
+                self._decode_one(seq)
+        self.steps += 1
+        progress = [(s.request_id, s.num_emitted, s.output_ids[s.num_emitted:])
+                    for s in seqs if len(s.output_ids) > s.num_emitted]
+        cancel_flags = self.store.commit_step(progress, [s.request_id for s in seqs])
+        for seq, flagged in zip(seqs, cancel_flags, strict=True):
+            seq.num_emitted = len(seq.output_ids)
+            seq.cancelled |= flagged
+            if seq.check_finished(self.eos_ids, self.max_seq_len, self._tail_text):
+                self._retire(seq)
+
+    def _decode_one(self, seq: Sequence) -> None:
+        try:
+            logits = self.runner.next_logits(seq)
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            log.exception("forward failed", extra={"request_id": seq.request_id})
+            seq.finish_reason, seq.error = "FINISH_REASON_ERROR", f"model forward failed: {e}"
+            return
+        seq.append(sample_next(logits, seq.params, seq.generator))
+        seq.steps += 1
+
+    def _tail_text(self, seq: Sequence) -> str:
+        longest = max(len(s) for s in seq.stop)
+        return self.decode(seq.output_ids[-(longest + 8):])
+
+    def _retire(self, seq: Sequence) -> None:
+        status = {"FINISH_REASON_CANCELLED": "cancelled",
+                  "FINISH_REASON_ERROR": "failed"}.get(seq.finish_reason, "finished")
+        self.store.finish(seq.request_id, status, seq.final_info(), seq.queue, seq.entry_id)
+        self.runner.release(seq)
+        with self._lock:
+            self.running.pop(seq.request_id, None)
+            self._cancel.discard(seq.request_id)
+        log.info("request ended", extra={"request_id": seq.request_id, "status": status,
+                                         "tokens": len(seq.output_ids), "steps": seq.steps})

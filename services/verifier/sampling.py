@@ -1,0 +1,58 @@
+"""Choosing the next token from target logits: greedy, or temperature / top-k / top-p sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 0.0  # 0 or 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(params: SamplingParams, device: str = "cpu") -> torch.Generator | None:
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    else:
+        gen.seed()
+    return gen
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from: softmax(logits / T) restricted by top-k and top-p.
+
+    logits: [vocab] float. Returns [vocab] float32 probabilities summing to 1.
+    """
+    scaled = logits.float() / params.temperature
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if 0.0 < params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.softmax(scaled, dim=-1)
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """Next token from logits [vocab]: argmax when greedy, else a draw from target_probs."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = target_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,94 @@
+"""One running request on a verifier: its tokens, progress counters and finish rules."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """A request in the running batch. Progress is counters: num_computed tokens are in the KV
+    cache; output_ids[num_emitted:] are generated but not yet written to Redis."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str]
+    queue: str
+    entry_id: str
+    created_ms: int
+    admitted_ms: int
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_emitted: int = 0
+    cache: Any = None  # the model's KV cache object for this sequence
+    generator: torch.Generator | None = None
+    cancelled: bool = False
+    finish_reason: str | None = None  # FinishReason enum name once finished
+    error: str = ""
+    steps: int = 0
+    prefill_ms: float = 0.0
+    first_token_ms: float = 0.0  # unix ms of the first generated token
+    last_token_ms: float = 0.0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def pending_input(self) -> list[int]:
+        """Tokens the model has not seen yet (the prompt at first, then the last token)."""
+        return self.all_ids[self.num_computed :]
+
+    def append(self, token: int) -> None:
+        now = time.time() * 1000
+        if not self.output_ids:
+            self.first_token_ms = now
+        self.last_token_ms = now
+        self.output_ids.append(token)
+
+    def check_finished(
+        self, eos_ids: set[int], max_seq_len: int, decode_tail: Any
+    ) -> str | None:
+        """Sets and returns the finish reason, if the sequence is done after its last token."""
+        if self.finish_reason:
+            return self.finish_reason
+        reason = None
+        if self.cancelled:
+            reason = "FINISH_REASON_CANCELLED"
+        elif self.output_ids and self.output_ids[-1] in eos_ids:
+            reason = "FINISH_REASON_EOS"
+        elif self.stop and any(s in decode_tail(self) for s in self.stop):
+            reason = "FINISH_REASON_STOP"
+        elif len(self.output_ids) >= self.max_tokens:
+            reason = "FINISH_REASON_LENGTH"
+        elif len(self.prompt_ids) + len(self.output_ids) >= max_seq_len:
+            reason = "FINISH_REASON_MAX_SEQ_LEN"
+        self.finish_reason = reason
+        return reason
+
+    def final_info(self) -> dict[str, Any]:
+        """The FinalInfo message as a JSON dict (proto field names)."""
+        end = self.last_token_ms or time.time() * 1000
+        return {
+            "finish_reason": self.finish_reason or "FINISH_REASON_ERROR",
+            "usage": {"prompt_tokens": len(self.prompt_ids),
+                      "completion_tokens": len(self.output_ids)},
+            "timings": {
+                "queue_ms": max(0.0, self.admitted_ms - self.created_ms),
+                "prefill_ms": self.prefill_ms,
+                "decode_ms": max(0.0, end - self.first_token_ms) if self.first_token_ms else 0.0,
+                "ttft_ms": max(0.0, self.first_token_ms - self.created_ms)
+                if self.first_token_ms else 0.0,
+            },
+            "speculation": {"drafted_tokens": 0, "accepted_tokens": 0,
+                            "mean_accepted_length": 1.0 if self.steps else 0.0,
+                            "steps": self.steps},
+            "error": self.error,
+        }

@@ -1,0 +1,140 @@
+"""Verifier gRPC service: Admit / Cancel / Status, and the registry heartbeat."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import torch
+
+from ..common import models
+from ..common.grpc_server import Server
+from ..common.settings import VerifierSettings
+from ..common.store import RequestStore
+from ..v1 import verifier_pb2 as pb
+from ..v1 import verifier_pb2_grpc as pb_grpc
+from .engine import Engine
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def sequence_from_record(rec) -> Sequence:
+    """Builds the running sequence of a request from its Redis record."""
+    spec = rec.spec
+    sampling = spec.get("sampling", {})
+    return Sequence(
+        request_id=rec.request_id,
+        prompt_ids=[int(t) for t in spec["prompt_ids"]],
+        max_tokens=int(spec["max_tokens"]),
+        params=SamplingParams(
+            temperature=float(sampling.get("temperature", 0.0)),
+            top_p=float(sampling.get("top_p", 0.0)),
+            top_k=int(sampling.get("top_k", 0)),
+            seed=int(sampling["seed"]) if "seed" in sampling else None,
+        ),
+        stop=list(spec.get("stop", [])),
+        queue=rec.queue,
+        entry_id=rec.entry_id,
+        created_ms=rec.created_ms,
+        admitted_ms=rec.admitted_ms,
+    )
+
+
+class VerifierService(pb_grpc.VerifierServicer):
+    def __init__(self, settings: VerifierSettings, engine: Engine, store: RequestStore,
+                 verifier_id: str, model_label: str):
+        self.settings = settings
+        self.engine = engine
+        self.store = store
+        self.verifier_id = verifier_id
+        self.model_label = model_label
+
+    def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> pb.AdmitResponse:
+        rid = request.request_id
+        if not rid:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        _, running = self.engine.snapshot()
+        if rid in running:
+            return pb.AdmitResponse(admitted=True, free_slots=self._free())
+        if not self.engine.reserve():
+            return pb.AdmitResponse(admitted=False, free_slots=0)
+        try:
+            if not self.store.claim(rid, self.verifier_id):
+                self.engine.unreserve()
+                return pb.AdmitResponse(admitted=False, free_slots=self._free())
+            rec = self.store.get(rid)
+            seq = sequence_from_record(rec)
+        except Exception:
+            self.engine.unreserve()
+            raise
+        self.engine.admit(seq)
+        log.info("admitted", extra={"request_id": rid, "prompt_tokens": len(seq.prompt_ids)})
+        return pb.AdmitResponse(admitted=True, free_slots=self._free())
+
+    def Cancel(self, request, context) -> pb.VerifierCancelResponse:
+        return pb.VerifierCancelResponse(found=self.engine.cancel(request.request_id))
+
+    def Status(self, request, context) -> pb.VerifierStatus:
+        used, ids = self.engine.snapshot()
+        return pb.VerifierStatus(verifier_id=self.verifier_id, running=len(ids),
+                                 capacity=self.settings.batch_size, request_ids=ids,
+                                 steps=self.engine.steps, model=self.model_label)
+
+    def _free(self) -> int:
+        used, _ = self.engine.snapshot()
+        return max(0, self.settings.batch_size - used)
+
+    def heartbeat_forever(self, address: str, stop: threading.Event) -> None:
+        period = self.settings.heartbeat_seconds
+        while not stop.is_set():
+            used, _ = self.engine.snapshot()
+            try:
+                self.store.heartbeat(self.verifier_id, {
+                    "address": address, "capacity": self.settings.batch_size,
+                    "running": used, "model": self.model_label,
+                }, ttl_seconds=3 * period)
+            except Exception:
+                log.exception("heartbeat failed")
+            stop.wait(period)
+
+
+def build(settings: VerifierSettings) -> tuple[Server, callable]:
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    path, manifest = models.resolve(settings.model, settings.model_cache_dir)
+    model = models.load_model(path, settings.device, settings.dtype)
+    tokenizer = models.load_tokenizer(path)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    store = RequestStore.from_url(settings.redis_url)
+    store.ensure_queues()
+    engine = Engine(ModelRunner(model, settings.device), store, batch_size=settings.batch_size,
+                    max_seq_len=settings.max_seq_len, eos_ids=eos_ids,
+                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    server = Server(settings.host, settings.port, [pb.DESCRIPTOR.services_by_name["Verifier"]
+                                                    .full_name])
+    address = settings.advertise_address or f"{settings.host}:{server.port}"
+    vid = settings.verifier_id or address
+    service = VerifierService(settings, engine, store, vid, settings.model.label)
+    pb_grpc.add_VerifierServicer_to_server(service, server.grpc)
+    stop_hb = threading.Event()
+    engine.start()
+    server.start()
+    threading.Thread(target=service.heartbeat_forever, args=(address, stop_hb),
+                     name="heartbeat", daemon=True).start()
+    server.set_serving(True)
+    log.info("verifier ready", extra={"address": address, "model": settings.model.label,
+                                      "sha256": manifest.get("sha256", "")})
+
+    def on_stop() -> None:
+        stop_hb.set()
+        store.deregister(vid)
+        engine.stop()
+
+    return server, on_stop

@@ -1,0 +1,88 @@
+"""Fixtures: tiny random models, and real clusters (redis-server + four service processes)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from specserve.common import models  # noqa: E402
+from specserve.common.settings import ModelRef, ServiceSettings  # noqa: E402
+from specserve.local_cluster import LocalCluster  # noqa: E402
+from specserve.v1 import generation_pb2_grpc  # noqa: E402
+
+TARGET = ModelRef()  # the default target model
+
+
+def default_target_dir() -> Path:
+    cache = ServiceSettings.load(None).model_cache_dir
+    try:
+        path, _ = models.resolve(TARGET, cache)
+    except models.ModelError as e:
+        pytest.fail(f"{e} (make test fetches it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return models.load_tokenizer(default_target_dir())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A 2-layer random Qwen2 with the default target's tokenizer, saved in float32."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    return models.load_model(tiny_model_dir, "cpu", "float32")
+
+
+def cluster_config(model_dir: Path | None, **sections) -> dict:
+    model = {"path": str(model_dir)} if model_dir else {}
+    config = {
+        "common": {"log_level": "INFO", "heartbeat_seconds": 0.5, "drain_seconds": 1},
+        "gateway": {"model": model, "max_seq_len": 2048, "max_tokens_limit": 1024},
+        "scheduler": {},
+        "verifier": {"model": model, "batch_size": 4, "max_seq_len": 2048,
+                     "torch_threads": 1},
+        "drafter": {"draft_model_path": str(model_dir)} if model_dir else {},
+    }
+    for name, values in sections.items():
+        config[name].update(values)
+    return config
+
+
+@pytest.fixture(scope="session")
+def tiny_cluster(tmp_path_factory, tiny_model_dir):
+    cluster = LocalCluster(cluster_config(tiny_model_dir), tmp_path_factory.mktemp("cluster"))
+    cluster.start(timeout=180)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway(tiny_cluster):
+    channel = grpc.insecure_channel(tiny_cluster.procs["gateway"].address)
+    yield generation_pb2_grpc.GenerationStub(channel)
+    channel.close()

@@ -1,0 +1,49 @@
+"""Small client-side helpers shared by the tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.v1 import common_pb2, generation_pb2
+
+
+@dataclass
+class Result:
+    chunks: list = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return [t for c in self.chunks for t in c.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+    @property
+    def final(self):
+        return self.chunks[-1].final
+
+
+def request(prompt_ids=None, prompt=None, max_tokens=16, **kw) -> generation_pb2.GenerateRequest:
+    sampling = kw.pop("sampling", None) or common_pb2.SamplingParams()
+    req = generation_pb2.GenerateRequest(max_tokens=max_tokens, sampling=sampling, **kw)
+    if prompt_ids is not None:
+        req.prompt_ids.ids.extend(prompt_ids)
+    elif prompt is not None:
+        req.prompt = prompt
+    return req
+
+
+def generate(stub, req, timeout: float = 120) -> Result:
+    return Result(list(stub.Generate(req, timeout=timeout)))
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: Hugging Face generate, greedy, the generated ids only."""
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()

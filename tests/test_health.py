@@ -1,0 +1,32 @@
+"""Every service answers grpc.health.v1 and server reflection (grpcurl needs no proto files)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+SERVICES = {
+    "gateway": "specserve.v1.Generation",
+    "scheduler": "specserve.v1.Scheduler",
+    "verifier": "specserve.v1.Verifier",
+    "drafter": "specserve.v1.Drafter",
+}
+
+
+@pytest.mark.parametrize("name", list(SERVICES))
+def test_health_and_reflection(tiny_cluster, name):
+    with grpc.insecure_channel(tiny_cluster.procs[name].address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICES[name]):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(channel)
+        listed = set(db.get_services())
+        assert {SERVICES[name], "grpc.health.v1.Health"} <= listed
+        methods = DescriptorPool(db).FindServiceByName(SERVICES[name]).methods
+        assert len(methods) >= 1

@@ -1,0 +1,72 @@
+"""Pure parts: detokenization, stop trimming, sampling, validation, settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.common.settings import ConfigError, VerifierSettings
+from specserve.gateway.text import IncrementalDetokenizer, StopTrimmer
+from specserve.verifier.sampling import SamplingParams, sample_next, target_probs
+
+
+def test_incremental_detokenizer_never_splits_characters(tokenizer):
+    text = "naïve café — 你好，世界! 🙂🚀 done"
+    ids = tokenizer(text).input_ids
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t, skip_special_tokens=True))
+    deltas = [detok.add([i]) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.parametrize("pieces, stops, expected", [
+    (["Hello wor", "ld. Bye"], ["world"], "Hello "),
+    (["ab", "c", "STO", "P tail"], ["STOP"], "abc"),
+    (["no stop here"], ["STOP"], "no stop here"),
+    (["x", "yz"], [], "xyz"),
+])
+def test_stop_trimmer(pieces, stops, expected):
+    trimmer = StopTrimmer(stops)
+    out = "".join(trimmer.push(p) for p in pieces) + trimmer.flush()
+    assert out == expected
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert sample_next(logits, SamplingParams(), None) == 1
+
+
+def test_top_k_and_top_p_restrict_the_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert torch.allclose(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+def test_sampling_matches_the_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, seed=0)
+    counts = torch.bincount(torch.tensor([sample_next(logits, params, gen)
+                                          for _ in range(4000)]), minlength=4)
+    freq = counts.float() / counts.sum()
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+
+
+def test_settings_yaml_env_and_errors(tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("common: {log_level: DEBUG}\nverifier: {batch_size: 3, dtype: bfloat16}\n")
+    s = VerifierSettings.load(path)
+    assert (s.batch_size, s.dtype, s.log_level) == (3, "bfloat16", "DEBUG")
+    monkeypatch.setenv("SPECSERVE_VERIFIER_BATCH_SIZE", "5")
+    assert VerifierSettings.load(path).batch_size == 5
+    monkeypatch.setenv("SPECSERVE_VERIFIER_BATCH_SIZE", "0")
+    with pytest.raises(ConfigError, match="verifier.batch_size"):
+        VerifierSettings.load(path)
+    monkeypatch.delenv("SPECSERVE_VERIFIER_BATCH_SIZE")
+    path.write_text("verifier: {bach_size: 3}\n")
+    with pytest.raises(ConfigError, match="verifier.bach_size"):
+        VerifierSettings.load(path)
