@@ -36,7 +36,7 @@ models: $(STAMP) $(GEN)
 	$(VENV)/bin/specserve models fetch
 
 run: setup
-	$(VENV)/bin/specserve up
+	$(VENV)/bin/specserve --config config/specserve.yaml up
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
