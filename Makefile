@@ -42,10 +42,11 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
-	@echo "nothing yet: benchmarks arrive with speculative decoding"
+	$(PY) -m benchmarks.plain_decode --dtype bfloat16
+	$(PY) -m benchmarks.plain_decode --dtype float32
 
 lint: install proto
-	$(VENV)/bin/ruff check services tests
+	$(VENV)/bin/ruff check services tests benchmarks
 	$(VENV)/bin/ruff format --check services tests
 
 clean:

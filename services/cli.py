@@ -59,11 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specserve",
         description="Speculative-decoding LLM inference service.",
         epilog="Quick start: `specserve models fetch`, then `specserve up`, then "
-        "`specserve generate \"Write a haiku about Redis\"` in another terminal.",
+        '`specserve generate "Write a haiku about Redis"` in another terminal.',
     )
-    p.add_argument("--config", help="YAML config file (sections: common, gateway, scheduler, "
-                   "verifier, drafter); env SPECSERVE_<SERVICE>_<KEY> overrides it",
-                   default=os.environ.get("SPECSERVE_CONFIG"))
+    p.add_argument(
+        "--config",
+        help="YAML config file (sections: common, gateway, scheduler, "
+        "verifier, drafter); env SPECSERVE_<SERVICE>_<KEY> overrides it",
+        default=os.environ.get("SPECSERVE_CONFIG"),
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run one service in the foreground")

@@ -11,14 +11,19 @@ from .v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
 def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
-    sampling = common_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                         top_k=args.top_k)
+    sampling = common_pb2.SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
     if args.seed is not None:
         sampling.seed = args.seed
     req = generation_pb2.GenerateRequest(
-        max_tokens=args.max_tokens, sampling=sampling, stop=args.stop,
-        priority=common_pb2.PRIORITY_CLASS_BATCH if args.batch
-        else common_pb2.PRIORITY_CLASS_INTERACTIVE)
+        max_tokens=args.max_tokens,
+        sampling=sampling,
+        stop=args.stop,
+        priority=common_pb2.PRIORITY_CLASS_BATCH
+        if args.batch
+        else common_pb2.PRIORITY_CLASS_INTERACTIVE,
+    )
     if args.raw:
         req.prompt = args.prompt
     else:
@@ -37,10 +42,12 @@ def generate_to_terminal(args: argparse.Namespace) -> int:
                     f = chunk.final
                     tokens = f.usage.completion_tokens
                     rate = tokens / (f.timings.decode_ms / 1000) if f.timings.decode_ms else 0.0
-                    print(f"\n\n[{common_pb2.FinishReason.Name(f.finish_reason)}; "
-                          f"{f.usage.prompt_tokens} prompt + {tokens} completion tokens; "
-                          f"TTFT {f.timings.ttft_ms:.0f} ms; {rate:.2f} tokens/s]",
-                          file=sys.stderr)
+                    print(
+                        f"\n\n[{common_pb2.FinishReason.Name(f.finish_reason)}; "
+                        f"{f.usage.prompt_tokens} prompt + {tokens} completion tokens; "
+                        f"TTFT {f.timings.ttft_ms:.0f} ms; {rate:.2f} tokens/s]",
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

@@ -65,13 +65,27 @@ class LocalCluster:
 
     def start_redis(self) -> str:
         if shutil.which("redis-server") is None:
-            raise ClusterError("redis-server is not installed (apt-get install redis-server), "
-                               "or pass --redis-url")
+            raise ClusterError(
+                "redis-server is not installed (apt-get install redis-server), or pass --redis-url"
+            )
         port = free_port()
         self.redis = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=open(self.workdir / "redis.log", "w"), stderr=subprocess.STDOUT)
+            [
+                "redis-server",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=open(self.workdir / "redis.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         for _ in range(100):
             with socket.socket() as s:
@@ -80,8 +94,9 @@ class LocalCluster:
             time.sleep(0.05)
         raise ClusterError("redis-server did not start; see " + str(self.workdir / "redis.log"))
 
-    def start(self, timeout: float = 600.0, gateway_port: int = 0,
-              services: tuple[str, ...] = START_ORDER) -> LocalCluster:
+    def start(
+        self, timeout: float = 600.0, gateway_port: int = 0, services: tuple[str, ...] = START_ORDER
+    ) -> LocalCluster:
         if self.redis_url is None:
             self.start_redis()
         common = self.config.setdefault("common", {})
@@ -96,15 +111,33 @@ class LocalCluster:
             self.wait_ready(name, timeout)
         return self
 
-    def start_service(self, name: str, env: dict[str, str] | None = None, port: int = 0,
-                      instance: str | None = None) -> Proc:
+    def start_service(
+        self,
+        name: str,
+        env: dict[str, str] | None = None,
+        port: int = 0,
+        instance: str | None = None,
+    ) -> Proc:
         key = instance or name
         log_path = self.workdir / f"{key}.log"
-        cmd = [sys.executable, "-m", "specserve.cli", "--config", str(self.config_path),
-               "serve", name, "--port", str(port)]
-        popen = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                                 env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-                                 start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "specserve.cli",
+            "--config",
+            str(self.config_path),
+            "serve",
+            name,
+            "--port",
+            str(port),
+        ]
+        popen = subprocess.Popen(
+            cmd,
+            stdout=open(log_path, "w"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+            start_new_session=True,
+        )
         self.procs[key] = Proc(key, popen, log_path)
         if name == "scheduler":  # the gateway needs its port before it starts
             self.wait_ready(key, 120)
@@ -159,18 +192,22 @@ def run_local_cluster(config_path: str | None, redis_url: str | None, port: int)
     try:
         cluster.start(gateway_port=port)
         gateway = cluster.procs["gateway"].address
-        print(f"\nready in {time.monotonic() - started:.1f}s. gateway: {gateway}  "
-              f"redis: {cluster.redis_url}\n"
-              f"try:  specserve generate --address {gateway} \"Write a Python function that "
-              "reverses a string.\"\n"
-              f"  or: grpcurl -plaintext -d '{{\"prompt\": \"def fib(n):\", \"max_tokens\": 32}}' "
-              f"{gateway} specserve.v1.Generation/Generate\n"
-              "Ctrl-C stops everything.", flush=True)
+        print(
+            f"\nready in {time.monotonic() - started:.1f}s. gateway: {gateway}  "
+            f"redis: {cluster.redis_url}\n"
+            f'try:  specserve generate --address {gateway} "Write a Python function that '
+            'reverses a string."\n'
+            f'  or: grpcurl -plaintext -d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\' '
+            f"{gateway} specserve.v1.Generation/Generate\n"
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
         while all(p.popen.poll() is None for p in cluster.procs.values()):
             time.sleep(0.5)
         dead = [k for k, p in cluster.procs.items() if p.popen.poll() is not None]
-        print(f"{', '.join(dead)} exited; stopping the cluster (logs in {workdir})",
-              file=sys.stderr)
+        print(
+            f"{', '.join(dead)} exited; stopping the cluster (logs in {workdir})", file=sys.stderr
+        )
         return 1
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)

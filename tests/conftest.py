@@ -40,9 +40,15 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
@@ -64,8 +70,7 @@ def cluster_config(model_dir: Path | None, **sections) -> dict:
         "common": {"log_level": "INFO", "heartbeat_seconds": 0.5, "drain_seconds": 1},
         "gateway": {"model": model, "max_seq_len": 2048, "max_tokens_limit": 1024},
         "scheduler": {},
-        "verifier": {"model": model, "batch_size": 4, "max_seq_len": 2048,
-                     "torch_threads": 1},
+        "verifier": {"model": model, "batch_size": 4, "max_seq_len": 2048, "torch_threads": 1},
         "drafter": {"draft_model_path": str(model_dir)} if model_dir else {},
     }
     for name, values in sections.items():

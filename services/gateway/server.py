@@ -14,8 +14,7 @@ from ..common import models
 from ..common.grpc_server import Server
 from ..common.settings import GatewaySettings
 from ..common.store import RequestStore
-from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2
-from ..v1 import scheduler_pb2_grpc
+from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from .text import IncrementalDetokenizer, StopTrimmer
 from .validation import InvalidRequest, Limits, check_prompt_length, find_invalid_utf8, validate
 
@@ -43,15 +42,22 @@ def _deserialize(raw: bytes):
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, settings: GatewaySettings, tokenizer, store: RequestStore,
-                 scheduler: scheduler_pb2_grpc.SchedulerStub, manifest: dict):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer,
+        store: RequestStore,
+        scheduler: scheduler_pb2_grpc.SchedulerStub,
+        manifest: dict,
+    ):
         self.settings = settings
         self.tokenizer = tokenizer
         self.store = store
         self.scheduler = scheduler
         self.manifest = manifest
         self.limits = Limits(
-            vocab_size=len(tokenizer), max_seq_len=settings.max_seq_len,
+            vocab_size=len(tokenizer),
+            max_seq_len=settings.max_seq_len,
             max_tokens_limit=settings.max_tokens_limit,
             max_stop_strings=settings.max_stop_strings,
             max_stop_length=settings.max_stop_length,
@@ -60,8 +66,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     # --- Generate ---------------------------------------------------------------------------
     def Generate(self, request, context):
         if isinstance(request, _BadBytes):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{request.field}: is not valid UTF-8 (or the message is malformed)")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{request.field}: is not valid UTF-8 (or the message is malformed)",
+            )
         try:
             submit = self._to_submit(request, context)
         except InvalidRequest as e:
@@ -74,8 +82,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
                 context.set_trailing_metadata(e.trailing_metadata() or ())
                 context.abort(code, e.details())
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          "the scheduler is unavailable; retry shortly")
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable; retry shortly"
+            )
         finished = False
 
         def on_done() -> None:
@@ -95,8 +104,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             ids = self.tokenizer(req.prompt).input_ids
         else:
             messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
             ids = self.tokenizer(text).input_ids
         if not ids:
             raise InvalidRequest(which, "tokenizes to no tokens")
@@ -105,14 +115,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         deadline_ms = int((time.time() + remaining) * 1000) if remaining else 0
         priority = req.priority or common_pb2.PRIORITY_CLASS_INTERACTIVE
         return scheduler_pb2.SubmitRequest(
-            request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids,
+            request_id=req.request_id or uuid.uuid4().hex,
+            prompt_ids=ids,
             max_tokens=req.max_tokens or self.limits.default_max_tokens,
-            sampling=req.sampling, stop=list(req.stop), priority=priority,
-            speculation=req.speculation, deadline_unix_ms=deadline_ms)
+            sampling=req.sampling,
+            stop=list(req.stop),
+            priority=priority,
+            speculation=req.speculation,
+            deadline_unix_ms=deadline_ms,
+        )
 
     def _stream(self, rid: str, stop: list[str], context):
         detok = IncrementalDetokenizer(
-            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        )
         trimmer = StopTrimmer(stop)
         last_id = "0-0"
         while context.is_active():
@@ -122,12 +138,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if ids:
                     text = trimmer.push(detok.add(ids))
                     yield generation_pb2.GenerateResponse(
-                        request_id=rid, text=text, token_ids=ids,
-                        first_index=int(fields["first"]))
+                        request_id=rid, text=text, token_ids=ids, first_index=int(fields["first"])
+                    )
                 if "final" in fields:
-                    yield self._final_chunk(rid, json.loads(fields["final"]),
-                                            trimmer.push(detok.flush()) + trimmer.flush(),
-                                            int(fields["first"]), context)
+                    yield self._final_chunk(
+                        rid,
+                        json.loads(fields["final"]),
+                        trimmer.push(detok.flush()) + trimmer.flush(),
+                        int(fields["first"]),
+                        context,
+                    )
                     return
 
     def _final_chunk(self, rid: str, final: dict, text: str, first: int, context):
@@ -136,18 +156,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error or 'unknown'}")
         if final.get("finish_reason") == "FINISH_REASON_CANCELLED":
             context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
-        info = json_format.ParseDict(final, generation_pb2.FinalInfo(),
-                                     ignore_unknown_fields=True)
-        return generation_pb2.GenerateResponse(request_id=rid, text=text, first_index=first,
-                                               final=info)
+        info = json_format.ParseDict(final, generation_pb2.FinalInfo(), ignore_unknown_fields=True)
+        return generation_pb2.GenerateResponse(
+            request_id=rid, text=text, first_index=first, final=info
+        )
 
     def _cancel_quietly(self, rid: str) -> None:
         try:
-            self.scheduler.Cancel(scheduler_pb2.SchedulerCancelRequest(request_id=rid),
-                                  timeout=self.settings.timeout_seconds)
+            self.scheduler.Cancel(
+                scheduler_pb2.SchedulerCancelRequest(request_id=rid),
+                timeout=self.settings.timeout_seconds,
+            )
         except grpc.RpcError as e:
-            log.warning("cancel after disconnect failed",
-                        extra={"request_id": rid, "code": str(e.code())})
+            log.warning(
+                "cancel after disconnect failed", extra={"request_id": rid, "code": str(e.code())}
+            )
 
     # --- Cancel, GetModelInfo -----------------------------------------------------------------
     def Cancel(self, request, context):
@@ -156,7 +179,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             resp = self.scheduler.Cancel(
                 scheduler_pb2.SchedulerCancelRequest(request_id=request.request_id),
-                timeout=self.settings.timeout_seconds)
+                timeout=self.settings.timeout_seconds,
+            )
         except grpc.RpcError:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable; retry")
         return generation_pb2.CancelResponse(cancelled=resp.cancelled)
@@ -164,26 +188,38 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def GetModelInfo(self, request, context):
         ref = self.settings.model
         return generation_pb2.ModelInfo(
-            name=self.manifest.get("name", ref.label), version=self.manifest.get("version", ""),
-            vocab_size=self.limits.vocab_size, max_seq_len=self.limits.max_seq_len,
-            max_tokens_limit=self.limits.max_tokens_limit, sha256=self.manifest.get("sha256", ""))
+            name=self.manifest.get("name", ref.label),
+            version=self.manifest.get("version", ""),
+            vocab_size=self.limits.vocab_size,
+            max_seq_len=self.limits.max_seq_len,
+            max_tokens_limit=self.limits.max_tokens_limit,
+            sha256=self.manifest.get("sha256", ""),
+        )
 
 
 def _handler(service: GenerationService) -> grpc.GenericRpcHandler:
     """The generated handler, with a Generate deserializer that reports bad bytes cleanly."""
     name = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-    return grpc.method_handlers_generic_handler(name, {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            service.Generate, request_deserializer=_deserialize,
-            response_serializer=generation_pb2.GenerateResponse.SerializeToString),
-        "Cancel": grpc.unary_unary_rpc_method_handler(
-            service.Cancel, request_deserializer=generation_pb2.CancelRequest.FromString,
-            response_serializer=generation_pb2.CancelResponse.SerializeToString),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            service.GetModelInfo,
-            request_deserializer=generation_pb2.GetModelInfoRequest.FromString,
-            response_serializer=generation_pb2.ModelInfo.SerializeToString),
-    })
+    return grpc.method_handlers_generic_handler(
+        name,
+        {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                service.Generate,
+                request_deserializer=_deserialize,
+                response_serializer=generation_pb2.GenerateResponse.SerializeToString,
+            ),
+            "Cancel": grpc.unary_unary_rpc_method_handler(
+                service.Cancel,
+                request_deserializer=generation_pb2.CancelRequest.FromString,
+                response_serializer=generation_pb2.CancelResponse.SerializeToString,
+            ),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                service.GetModelInfo,
+                request_deserializer=generation_pb2.GetModelInfoRequest.FromString,
+                response_serializer=generation_pb2.ModelInfo.SerializeToString,
+            ),
+        },
+    )
 
 
 def build(settings: GatewaySettings):
@@ -193,9 +229,12 @@ def build(settings: GatewaySettings):
     store.r.ping()
     scheduler = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(settings.scheduler_address))
     service = GenerationService(settings, tokenizer, store, scheduler, manifest)
-    server = Server(settings.host, settings.port,
-                    [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
-                    max_workers=settings.max_workers)
+    server = Server(
+        settings.host,
+        settings.port,
+        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+        max_workers=settings.max_workers,
+    )
     server.grpc.add_generic_rpc_handlers((_handler(service),))
     server.start()
     server.set_serving(True)

@@ -43,29 +43,39 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits) -> None:
             raise InvalidRequest("prompt_ids", "must not be empty")
         for i, t in enumerate(req.prompt_ids.ids):
             if not 0 <= t < limits.vocab_size:
-                raise InvalidRequest(f"prompt_ids.ids[{i}]",
-                                     f"token {t} is outside the vocabulary [0, {limits.vocab_size})")
+                raise InvalidRequest(
+                    f"prompt_ids.ids[{i}]",
+                    f"token {t} is outside the vocabulary [0, {limits.vocab_size})",
+                )
     if which == "messages":
         if not req.messages.messages:
             raise InvalidRequest("messages", "must hold at least one message")
         for i, m in enumerate(req.messages.messages):
             if m.role not in ("system", "user", "assistant"):
-                raise InvalidRequest(f"messages[{i}].role",
-                                     f"must be system, user or assistant, got {m.role[:20]!r}")
+                raise InvalidRequest(
+                    f"messages[{i}].role", f"must be system, user or assistant, got {m.role[:20]!r}"
+                )
     if req.max_tokens < 0 or req.max_tokens > limits.max_tokens_limit:
-        raise InvalidRequest("max_tokens", f"must be in [1, {limits.max_tokens_limit}] "
-                             f"(0 means {limits.default_max_tokens}), got {req.max_tokens}")
+        raise InvalidRequest(
+            "max_tokens",
+            f"must be in [1, {limits.max_tokens_limit}] "
+            f"(0 means {limits.default_max_tokens}), got {req.max_tokens}",
+        )
     _validate_sampling(req.sampling)
     if len(req.stop) > limits.max_stop_strings:
-        raise InvalidRequest("stop", f"at most {limits.max_stop_strings} stop strings, "
-                             f"got {len(req.stop)}")
+        raise InvalidRequest(
+            "stop", f"at most {limits.max_stop_strings} stop strings, got {len(req.stop)}"
+        )
     for i, s in enumerate(req.stop):
         if not s or len(s) > limits.max_stop_length:
-            raise InvalidRequest(f"stop[{i}]",
-                                 f"must be 1 to {limits.max_stop_length} characters long")
+            raise InvalidRequest(
+                f"stop[{i}]", f"must be 1 to {limits.max_stop_length} characters long"
+            )
     if req.priority not in common_pb2.PriorityClass.values():
-        raise InvalidRequest("priority", "must be PRIORITY_CLASS_INTERACTIVE or "
-                             f"PRIORITY_CLASS_BATCH, got {req.priority}")
+        raise InvalidRequest(
+            "priority",
+            f"must be PRIORITY_CLASS_INTERACTIVE or PRIORITY_CLASS_BATCH, got {req.priority}",
+        )
     if req.speculation.mode not in common_pb2.SpeculationMode.values():
         raise InvalidRequest("speculation.mode", f"unknown mode {req.speculation.mode}")
     if req.speculation.HasField("tree_size") and not 0 <= req.speculation.tree_size <= 256:
@@ -85,8 +95,11 @@ def _validate_sampling(s: common_pb2.SamplingParams) -> None:
 
 def check_prompt_length(n_tokens: int, limits: Limits) -> None:
     if n_tokens >= limits.max_seq_len:
-        raise InvalidRequest("prompt", f"is {n_tokens} tokens; max_seq_len is "
-                             f"{limits.max_seq_len}, which must leave room for output")
+        raise InvalidRequest(
+            "prompt",
+            f"is {n_tokens} tokens; max_seq_len is "
+            f"{limits.max_seq_len}, which must leave room for output",
+        )
 
 
 def _lenient_class():
@@ -108,7 +121,8 @@ def _lenient_class():
                     f.type_name = ".lenient" + f.type_name
         pool.Add(proto)
     return message_factory.GetMessageClass(
-        pool.FindMessageTypeByName("lenient.specserve.v1.GenerateRequest"))
+        pool.FindMessageTypeByName("lenient.specserve.v1.GenerateRequest")
+    )
 
 
 _LENIENT = None

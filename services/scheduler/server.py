@@ -24,8 +24,10 @@ CLASS_NAMES = {
 
 
 def cancelled_final(prompt_tokens: int) -> dict:
-    return {"finish_reason": "FINISH_REASON_CANCELLED",
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0}}
+    return {
+        "finish_reason": "FINISH_REASON_CANCELLED",
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0},
+    }
 
 
 class VerifierClients:
@@ -39,50 +41,68 @@ class VerifierClients:
         with self._lock:
             if address not in self._stubs:
                 self._stubs[address] = verifier_pb2_grpc.VerifierStub(
-                    grpc.insecure_channel(address))
+                    grpc.insecure_channel(address)
+                )
             return self._stubs[address]
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, settings: SchedulerSettings, store: RequestStore,
-                 verifiers: VerifierClients):
+    def __init__(
+        self, settings: SchedulerSettings, store: RequestStore, verifiers: VerifierClients
+    ):
         self.settings = settings
         self.store = store
         self.verifiers = verifiers
-        self.limits = {"interactive": settings.interactive_queue_limit,
-                       "batch": settings.batch_queue_limit}
+        self.limits = {
+            "interactive": settings.interactive_queue_limit,
+            "batch": settings.batch_queue_limit,
+        }
 
     def Submit(self, request: scheduler_pb2.SubmitRequest, context) -> scheduler_pb2.SubmitResponse:
         cls = CLASS_NAMES.get(request.priority)
         if cls is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "priority must be interactive or batch")
         if not request.request_id or not request.prompt_ids or request.max_tokens < 1:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "request_id, prompt_ids and max_tokens >= 1 are required")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request_id, prompt_ids and max_tokens >= 1 are required",
+            )
         spec = json_format.MessageToDict(request, preserving_proto_field_name=True)
         code, waiting = self.store.create(request.request_id, spec, cls, self.limits[cls])
         if code == 2:
             context.set_trailing_metadata((("retry-after-ms", "1000"),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"the {cls} queue is full ({waiting} waiting); retry in about a second")
-        log.info("submitted", extra={"request_id": request.request_id, "class": cls,
-                                     "existing": code == 1, "waiting": waiting})
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the {cls} queue is full ({waiting} waiting); retry in about a second",
+            )
+        log.info(
+            "submitted",
+            extra={
+                "request_id": request.request_id,
+                "class": cls,
+                "existing": code == 1,
+                "waiting": waiting,
+            },
+        )
         return scheduler_pb2.SubmitResponse(existing=code == 1, queue_position=waiting)
 
     def Cancel(self, request, context) -> scheduler_pb2.SchedulerCancelResponse:
         rec = self.store.get(request.request_id)
         if rec is None:
             return scheduler_pb2.SchedulerCancelResponse(cancelled=False)
-        state, owner = self.store.cancel(request.request_id,
-                                         cancelled_final(len(rec.spec.get("prompt_ids", []))))
+        state, owner = self.store.cancel(
+            request.request_id, cancelled_final(len(rec.spec.get("prompt_ids", [])))
+        )
         if state == 2 and owner:
-            address = next((v["address"] for v in self.store.live_verifiers()
-                            if v["id"] == owner), None)
+            address = next(
+                (v["address"] for v in self.store.live_verifiers() if v["id"] == owner), None
+            )
             if address:
                 try:
                     self.verifiers.get(address).Cancel(
                         verifier_pb2.VerifierCancelRequest(request_id=request.request_id),
-                        timeout=self.settings.timeout_seconds)
+                        timeout=self.settings.timeout_seconds,
+                    )
                 except grpc.RpcError as e:  # the verifier also reads the flag each step
                     log.warning("verifier cancel failed", extra={"code": str(e.code())})
         return scheduler_pb2.SchedulerCancelResponse(cancelled=state in (1, 2))
@@ -91,8 +111,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 class Placer:
     """Moves queued requests onto verifiers: interactive first, then batch."""
 
-    def __init__(self, settings: SchedulerSettings, store: RequestStore,
-                 verifiers: VerifierClients, consumer: str):
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        store: RequestStore,
+        verifiers: VerifierClients,
+        consumer: str,
+    ):
         self.settings = settings
         self.store = store
         self.verifiers = verifiers
@@ -143,7 +168,8 @@ class Placer:
             return False
         try:
             resp = self.verifiers.get(address).Admit(
-                verifier_pb2.AdmitRequest(request_id=rid), timeout=self.settings.timeout_seconds)
+                verifier_pb2.AdmitRequest(request_id=rid), timeout=self.settings.timeout_seconds
+            )
         except grpc.RpcError as e:
             log.warning("admit failed", extra={"verifier": address, "code": str(e.code())})
             return None
@@ -158,10 +184,14 @@ def build(settings: SchedulerSettings):
     store = RequestStore.from_url(settings.redis_url)
     store.ensure_queues()
     clients = VerifierClients()
-    server = Server(settings.host, settings.port,
-                    [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
+    server = Server(
+        settings.host,
+        settings.port,
+        [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+    )
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(
-        SchedulerService(settings, store, clients), server.grpc)
+        SchedulerService(settings, store, clients), server.grpc
+    )
     placer = Placer(settings, store, clients, consumer="scheduler")
     placer.recover()
     thread = threading.Thread(target=placer.run, name="placement", daemon=True)

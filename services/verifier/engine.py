@@ -22,8 +22,16 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, store: RequestStore, *, batch_size: int,
-                 max_seq_len: int, eos_ids: set[int], decode: Callable[[list[int]], str]):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        store: RequestStore,
+        *,
+        batch_size: int,
+        max_seq_len: int,
+        eos_ids: set[int],
+        decode: Callable[[list[int]], str],
+    ):
         self.runner = runner
         self.store = store
         self.batch_size = batch_size
@@ -60,7 +68,8 @@ class Engine:
     def cancel(self, request_id: str) -> bool:
         with self._lock:
             found = request_id in self.running or any(
-                s.request_id == request_id for s in list(self._inbox.queue))
+                s.request_id == request_id for s in list(self._inbox.queue)
+            )
             self._cancel.add(request_id)
         return found
 
@@ -111,8 +120,11 @@ class Engine:
             if not seq.cancelled:
                 self._decode_one(seq)
         self.steps += 1
-        progress = [(s.request_id, s.num_emitted, s.output_ids[s.num_emitted:])
-                    for s in seqs if len(s.output_ids) > s.num_emitted]
+        progress = [
+            (s.request_id, s.num_emitted, s.output_ids[s.num_emitted :])
+            for s in seqs
+            if len(s.output_ids) > s.num_emitted
+        ]
         cancel_flags = self.store.commit_step(progress, [s.request_id for s in seqs])
         for seq, flagged in zip(seqs, cancel_flags, strict=True):
             seq.num_emitted = len(seq.output_ids)
@@ -132,15 +144,23 @@ class Engine:
 
     def _tail_text(self, seq: Sequence) -> str:
         longest = max(len(s) for s in seq.stop)
-        return self.decode(seq.output_ids[-(longest + 8):])
+        return self.decode(seq.output_ids[-(longest + 8) :])
 
     def _retire(self, seq: Sequence) -> None:
-        status = {"FINISH_REASON_CANCELLED": "cancelled",
-                  "FINISH_REASON_ERROR": "failed"}.get(seq.finish_reason, "finished")
+        status = {"FINISH_REASON_CANCELLED": "cancelled", "FINISH_REASON_ERROR": "failed"}.get(
+            seq.finish_reason, "finished"
+        )
         self.store.finish(seq.request_id, status, seq.final_info(), seq.queue, seq.entry_id)
         self.runner.release(seq)
         with self._lock:
             self.running.pop(seq.request_id, None)
             self._cancel.discard(seq.request_id)
-        log.info("request ended", extra={"request_id": seq.request_id, "status": status,
-                                         "tokens": len(seq.output_ids), "steps": seq.steps})
+        log.info(
+            "request ended",
+            extra={
+                "request_id": seq.request_id,
+                "status": status,
+                "tokens": len(seq.output_ids),
+                "steps": seq.steps,
+            },
+        )

@@ -29,8 +29,9 @@ class ModelRunner:
         if seq.cache is None:
             seq.cache = DynamicCache(config=self.model.config)
         input_ids = torch.tensor([pending], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, past_key_values=seq.cache, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(
+            input_ids=input_ids, past_key_values=seq.cache, use_cache=True, logits_to_keep=1
+        )
         seq.num_computed += len(pending)
         if prefill:
             seq.prefill_ms = (time.perf_counter() - started) * 1000

@@ -53,9 +53,7 @@ class Sequence:
         self.last_token_ms = now
         self.output_ids.append(token)
 
-    def check_finished(
-        self, eos_ids: set[int], max_seq_len: int, decode_tail: Any
-    ) -> str | None:
+    def check_finished(self, eos_ids: set[int], max_seq_len: int, decode_tail: Any) -> str | None:
         """Sets and returns the finish reason, if the sequence is done after its last token."""
         if self.finish_reason:
             return self.finish_reason
@@ -78,17 +76,23 @@ class Sequence:
         end = self.last_token_ms or time.time() * 1000
         return {
             "finish_reason": self.finish_reason or "FINISH_REASON_ERROR",
-            "usage": {"prompt_tokens": len(self.prompt_ids),
-                      "completion_tokens": len(self.output_ids)},
+            "usage": {
+                "prompt_tokens": len(self.prompt_ids),
+                "completion_tokens": len(self.output_ids),
+            },
             "timings": {
                 "queue_ms": max(0.0, self.admitted_ms - self.created_ms),
                 "prefill_ms": self.prefill_ms,
                 "decode_ms": max(0.0, end - self.first_token_ms) if self.first_token_ms else 0.0,
                 "ttft_ms": max(0.0, self.first_token_ms - self.created_ms)
-                if self.first_token_ms else 0.0,
+                if self.first_token_ms
+                else 0.0,
             },
-            "speculation": {"drafted_tokens": 0, "accepted_tokens": 0,
-                            "mean_accepted_length": 1.0 if self.steps else 0.0,
-                            "steps": self.steps},
+            "speculation": {
+                "drafted_tokens": 0,
+                "accepted_tokens": 0,
+                "mean_accepted_length": 1.0 if self.steps else 0.0,
+                "steps": self.steps,
+            },
             "error": self.error,
         }

@@ -45,8 +45,14 @@ def sequence_from_record(rec) -> Sequence:
 
 
 class VerifierService(pb_grpc.VerifierServicer):
-    def __init__(self, settings: VerifierSettings, engine: Engine, store: RequestStore,
-                 verifier_id: str, model_label: str):
+    def __init__(
+        self,
+        settings: VerifierSettings,
+        engine: Engine,
+        store: RequestStore,
+        verifier_id: str,
+        model_label: str,
+    ):
         self.settings = settings
         self.engine = engine
         self.store = store
@@ -80,9 +86,14 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     def Status(self, request, context) -> pb.VerifierStatus:
         used, ids = self.engine.snapshot()
-        return pb.VerifierStatus(verifier_id=self.verifier_id, running=len(ids),
-                                 capacity=self.settings.batch_size, request_ids=ids,
-                                 steps=self.engine.steps, model=self.model_label)
+        return pb.VerifierStatus(
+            verifier_id=self.verifier_id,
+            running=len(ids),
+            capacity=self.settings.batch_size,
+            request_ids=ids,
+            steps=self.engine.steps,
+            model=self.model_label,
+        )
 
     def _free(self) -> int:
         used, _ = self.engine.snapshot()
@@ -93,10 +104,16 @@ class VerifierService(pb_grpc.VerifierServicer):
         while not stop.is_set():
             used, _ = self.engine.snapshot()
             try:
-                self.store.heartbeat(self.verifier_id, {
-                    "address": address, "capacity": self.settings.batch_size,
-                    "running": used, "model": self.model_label,
-                }, ttl_seconds=3 * period)
+                self.store.heartbeat(
+                    self.verifier_id,
+                    {
+                        "address": address,
+                        "capacity": self.settings.batch_size,
+                        "running": used,
+                        "model": self.model_label,
+                    },
+                    ttl_seconds=3 * period,
+                )
             except Exception:
                 log.exception("heartbeat failed")
             stop.wait(period)
@@ -114,11 +131,17 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         eos_ids.add(tokenizer.eos_token_id)
     store = RequestStore.from_url(settings.redis_url)
     store.ensure_queues()
-    engine = Engine(ModelRunner(model, settings.device), store, batch_size=settings.batch_size,
-                    max_seq_len=settings.max_seq_len, eos_ids=eos_ids,
-                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    server = Server(settings.host, settings.port, [pb.DESCRIPTOR.services_by_name["Verifier"]
-                                                    .full_name])
+    engine = Engine(
+        ModelRunner(model, settings.device),
+        store,
+        batch_size=settings.batch_size,
+        max_seq_len=settings.max_seq_len,
+        eos_ids=eos_ids,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
+    server = Server(
+        settings.host, settings.port, [pb.DESCRIPTOR.services_by_name["Verifier"].full_name]
+    )
     address = settings.advertise_address or f"{settings.host}:{server.port}"
     vid = settings.verifier_id or address
     service = VerifierService(settings, engine, store, vid, settings.model.label)
@@ -126,11 +149,18 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     stop_hb = threading.Event()
     engine.start()
     server.start()
-    threading.Thread(target=service.heartbeat_forever, args=(address, stop_hb),
-                     name="heartbeat", daemon=True).start()
+    threading.Thread(
+        target=service.heartbeat_forever, args=(address, stop_hb), name="heartbeat", daemon=True
+    ).start()
     server.set_serving(True)
-    log.info("verifier ready", extra={"address": address, "model": settings.model.label,
-                                      "sha256": manifest.get("sha256", "")})
+    log.info(
+        "verifier ready",
+        extra={
+            "address": address,
+            "model": settings.model.label,
+            "sha256": manifest.get("sha256", ""),
+        },
+    )
 
     def on_stop() -> None:
         stop_hb.set()

@@ -1,0 +1,114 @@
+"""Plain decode speed of the default target through the whole cluster vs. Hugging Face generate.
+
+Same prompt, same dtype, same thread count, measured one after the other in one run:
+    python -m benchmarks.plain_decode [--dtype bfloat16] [--tokens 64]
+Cluster tokens/s = completion tokens / decode time reported by the verifier (first to last
+token); HF tokens/s = (new tokens - 1) / (generate time - time of a 1-token generate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from specserve.common import models
+from specserve.common.settings import ModelRef, ServiceSettings
+from specserve.local_cluster import LocalCluster
+from specserve.v1 import generation_pb2, generation_pb2_grpc
+
+PROMPT = "Write a Python function that checks whether a string is a palindrome, with a docstring."
+
+
+def cluster_rate(dtype: str, tokens: int, threads: int) -> dict:
+    config = {
+        "verifier": {"dtype": dtype, "batch_size": 1, "torch_threads": threads},
+        "drafter": {"proposer": "ngram"},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(config, Path(tmp))
+        started = time.monotonic()
+        try:
+            cluster.start(timeout=600)
+            ready_s = time.monotonic() - started
+            with grpc.insecure_channel(cluster.procs["gateway"].address) as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                req = generation_pb2.GenerateRequest(max_tokens=tokens)
+                req.messages.messages.add(role="user", content=PROMPT)
+                ids, final = [], None
+                for chunk in stub.Generate(req, timeout=900):
+                    ids.extend(chunk.token_ids)
+                    final = chunk.final if chunk.HasField("final") else final
+        finally:
+            cluster.stop()
+    decode_s = final.timings.decode_ms / 1000
+    return {
+        "ready_s": round(ready_s, 1),
+        "tokens": len(ids),
+        "ttft_ms": round(final.timings.ttft_ms),
+        "ids": ids,
+        "tokens_per_s": round((len(ids) - 1) / decode_s, 2),
+    }
+
+
+def hf_rate(dtype: str, tokens: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    path, _ = models.resolve(ModelRef(), ServiceSettings.load(None).model_cache_dir)
+    tok = models.load_tokenizer(path)
+    model = models.load_model(path, "cpu", dtype)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
+    ids = torch.tensor([tok(text).input_ids])
+
+    def run(n: int) -> tuple[float, list[int]]:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                pad_token_id=tok.eos_token_id,
+            )
+        return time.perf_counter() - t, out[0, ids.shape[1] :].tolist()
+
+    first_s, _ = run(1)  # prefill + first token
+    total_s, new = run(tokens)
+    return {
+        "tokens": len(new),
+        "ids": new,
+        "tokens_per_s": round((len(new) - 1) / (total_s - first_s), 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = p.parse_args()
+    c = cluster_rate(args.dtype, args.tokens, args.threads)
+    h = hf_rate(args.dtype, args.tokens, args.threads)
+    n = min(len(c["ids"]), len(h["ids"]))
+    report = {
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "max_tokens": args.tokens,
+        "cluster_tokens_per_s": c["tokens_per_s"],
+        "hf_generate_tokens_per_s": h["tokens_per_s"],
+        "ratio_cluster_over_hf": round(c["tokens_per_s"] / h["tokens_per_s"], 3),
+        "cluster_ttft_ms": c["ttft_ms"],
+        "cluster_start_s": c["ready_s"],
+        "same_tokens": c["ids"][:n] == h["ids"][:n],
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
