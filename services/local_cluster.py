@@ -185,6 +185,12 @@ def run_local_cluster(config_path: str | None, redis_url: str | None, port: int)
     """`specserve up`: start everything, print how to use it, stop it all on Ctrl-C."""
     config = yaml.safe_load(Path(config_path).read_text()) if config_path else {}
     config = config or {}
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt
+
+    # Ctrl-C and SIGTERM both stop the whole cluster (even where SIGINT arrived ignored).
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     workdir = Path(tempfile.mkdtemp(prefix="specserve-"))
     cluster = LocalCluster(config, workdir, redis_url=redis_url)
     started = time.monotonic()
