@@ -185,6 +185,7 @@ def run_local_cluster(config_path: str | None, redis_url: str | None, port: int)
     """`specserve up`: start everything, print how to use it, stop it all on Ctrl-C."""
     config = yaml.safe_load(Path(config_path).read_text()) if config_path else {}
     config = config or {}
+
     def interrupt(signum, _frame):
         raise KeyboardInterrupt
 

@@ -156,9 +156,10 @@ class Placer:
                 if ok is None:  # verifier refused or failed: treat it as full for now
                     target.running = target.capacity
                     continue
-                self.waiting[cls].popleft()
-                target.running += 1
-                placed = True
+                self.waiting[cls].popleft()  # placed, or no longer waiting (e.g. cancelled)
+                if ok:
+                    target.running += 1
+                    placed = True
         return placed
 
     def _admit(self, address: str, rid: str) -> bool | None:

@@ -85,7 +85,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         return pb.VerifierCancelResponse(found=self.engine.cancel(request.request_id))
 
     def Status(self, request, context) -> pb.VerifierStatus:
-        used, ids = self.engine.snapshot()
+        _, ids = self.engine.snapshot()
         return pb.VerifierStatus(
             verifier_id=self.verifier_id,
             running=len(ids),
