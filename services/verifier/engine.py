@@ -95,6 +95,9 @@ class Engine:
                 except redis.RedisError:
                     log.exception("redis error in step; retrying")
                     self._stop.wait(0.5)
+                except Exception:  # a bug must not silently end the loop of every request
+                    log.exception("step failed; retrying")
+                    self._stop.wait(0.5)
 
     def _take_new(self, block: bool) -> None:
         try:
