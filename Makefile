@@ -47,7 +47,7 @@ bench: setup
 
 lint: install proto
 	$(VENV)/bin/ruff check services tests benchmarks
-	$(VENV)/bin/ruff format --check services tests
+	$(VENV)/bin/ruff format --check services tests benchmarks
 
 clean:
 	rm -rf build services/v1/*_pb2*.py services/v1/*_pb2*.pyi $(GEN)
