@@ -21,6 +21,7 @@ from specserve.common import models
 from specserve.common.settings import ModelRef, ServiceSettings
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2, generation_pb2_grpc
+from specserve.verifier.reference import hf_greedy
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome, with a docstring."
 
@@ -64,19 +65,12 @@ def hf_rate(dtype: str, tokens: int, threads: int) -> dict:
     text = tok.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
     )
-    ids = torch.tensor([tok(text).input_ids])
+    ids = tok(text).input_ids
 
     def run(n: int) -> tuple[float, list[int]]:
         t = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=n,
-                pad_token_id=tok.eos_token_id,
-            )
-        return time.perf_counter() - t, out[0, ids.shape[1] :].tolist()
+        new = hf_greedy(model, ids, n, pad_token_id=tok.eos_token_id)
+        return time.perf_counter() - t, new
 
     first_s, _ = run(1)  # prefill + first token
     total_s, new = run(tokens)

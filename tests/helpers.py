@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from specserve.v1 import common_pb2, generation_pb2
 
 
@@ -38,17 +36,3 @@ def request(prompt_ids=None, prompt=None, max_tokens=16, **kw) -> generation_pb2
 
 def generate(stub, req, timeout: float = 120) -> Result:
     return Result(list(stub.Generate(req, timeout=timeout)))
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The oracle: Hugging Face generate, greedy, the generated ids only."""
-    ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt_ids) :].tolist()

@@ -6,10 +6,11 @@ import grpc
 import pytest
 
 from conftest import cluster_config, default_target_dir
-from helpers import generate, hf_greedy, request
+from helpers import generate, request
 from specserve.common import models
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2, generation_pb2_grpc
+from specserve.verifier.reference import hf_greedy
 
 pytestmark = pytest.mark.default_model
 

@@ -7,8 +7,9 @@ import concurrent.futures as cf
 import grpc
 import pytest
 
-from helpers import generate, hf_greedy, request
+from helpers import generate, request
 from specserve.v1 import common_pb2
+from specserve.verifier.reference import hf_greedy
 
 PROMPTS = [
     "def fibonacci(n):",
