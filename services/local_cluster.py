@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-START_ORDER = ("scheduler", "verifier", "drafter", "gateway")
+START_ORDER = ("scheduler", "drafter", "verifier", "gateway")
 
 
 def free_port() -> int:
@@ -102,11 +102,17 @@ class LocalCluster:
         common = self.config.setdefault("common", {})
         common["redis_url"] = self.redis_url
         self.config_path.write_text(yaml.safe_dump(self.config))
+        # Fixed ports where another service must know the address before it is ready.
+        ports = {"gateway": gateway_port, "drafter": free_port()}
         for name in services:
             env = {}
             if name == "gateway":
                 env["SPECSERVE_GATEWAY_SCHEDULER_ADDRESS"] = self.procs["scheduler"].address
-            self.start_service(name, env, port=gateway_port if name == "gateway" else 0)
+            if name == "verifier" and "drafter" in services:
+                if not self.config.get("verifier", {}).get("drafter_addresses"):
+                    drafter = f"127.0.0.1:{ports['drafter']}"
+                    env["SPECSERVE_VERIFIER_DRAFTER_ADDRESSES"] = f'["{drafter}"]'
+            self.start_service(name, env, port=ports.get(name, 0))
         for name in services:
             self.wait_ready(name, timeout)
         return self

@@ -34,8 +34,7 @@ def tokenizer():
     return models.load_tokenizer(default_target_dir())
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
+def save_tiny_qwen(path: Path, tokenizer, seed: int) -> Path:
     """A 2-layer random Qwen2 with the default target's tokenizer, saved in float32."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -51,12 +50,28 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    path = tmp_path_factory.mktemp("tiny-model")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """The tiny target."""
+    return save_tiny_qwen(tmp_path_factory.mktemp("tiny-model"), tokenizer, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny draft that disagrees with the tiny target often (other random weights)."""
+    return save_tiny_qwen(tmp_path_factory.mktemp("tiny-draft"), tokenizer, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_draft_dir):
+    return models.load_model(tiny_draft_dir, "cpu", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -124,11 +124,25 @@ class VerifierSettings(ServiceSettings):
     batch_size: int = Field(default=8, ge=1, description="Most sequences in the running batch.")
     max_seq_len: int = Field(default=4096, gt=1)
     torch_threads: int = Field(default=0, ge=0, description="0 = torch's default.")
-    speculative_decoding: bool = False
-    draft_model_path: str | None = None
-    drafter_addresses: list[str] = []
-    verification_tree_size: int = Field(default=8, ge=0)
-    fallback_mode: Literal["plain", "ngram"] = "plain"
+    speculative_decoding: bool = Field(
+        default=False, description="Ask drafters for trees; off = plain decoding."
+    )
+    drafter_addresses: list[str] = Field(default=[], description="Drafters to stream with.")
+    verification_tree_size: int = Field(
+        default=8, ge=0, le=256, description="Draft tree nodes per sequence per step."
+    )
+    draft_timeout_seconds: float = Field(
+        default=5.0, gt=0, description="A step's drafts arriving later than this are not used."
+    )
+    fallback_mode: Literal["plain", "ngram"] = Field(
+        default="plain", description="How a step is drafted when the drafter is unavailable."
+    )
+    breaker_failures: int = Field(
+        default=3, ge=1, description="Consecutive drafter failures that open the breaker."
+    )
+    breaker_cooldown_seconds: float = Field(
+        default=10.0, ge=0, description="How long an open breaker skips the drafter."
+    )
 
 
 class DrafterSettings(ServiceSettings):
@@ -142,6 +156,14 @@ class DrafterSettings(ServiceSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     torch_threads: int = Field(default=0, ge=0)
+    max_depth: int = Field(default=6, ge=1, le=64, description="Draft tree levels.")
+    branching: int = Field(default=2, ge=1, le=16, description="Children per expanded node.")
+    width: int = Field(default=4, ge=1, le=64, description="Nodes expanded per level.")
+    sample_support: int = Field(
+        default=32, ge=1, description="Tokens kept in the draft distribution of sampled trees."
+    )
+    ngram_min: int = Field(default=2, ge=1, description="Shortest suffix the n-gram matches.")
+    ngram_max: int = Field(default=4, ge=1, description="Longest suffix the n-gram matches.")
 
 
 SETTINGS_BY_SERVICE: dict[str, type[ServiceSettings]] = {

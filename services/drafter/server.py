@@ -1,49 +1,87 @@
-"""Drafter gRPC service. The model loads and health answers; drafting itself is not built yet,
-so Speculate answers UNIMPLEMENTED and verifiers decode plainly."""
+"""Drafter gRPC service: one Speculate stream per verifier; deltas in, draft trees out."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
-import grpc
 import torch
 
-from ..common import models
 from ..common.grpc_server import Server
-from ..common.settings import DrafterSettings, ModelRef
+from ..common.settings import DrafterSettings
+from ..common.tree import to_proto
 from ..v1 import drafter_pb2, drafter_pb2_grpc
+from .proposers import PROPOSERS, DraftJob, Proposer
 
 log = logging.getLogger(__name__)
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, proposer: Proposer):
+        self.proposer = proposer
+        self._lock = threading.Lock()  # one proposal at a time: the cores are shared anyway
+
     def Speculate(self, request_iterator, context):
-        context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "drafting is not available in this version; verifiers decode plainly",
-        )
+        histories: dict[str, list[int]] = {}  # sequence id -> accepted tokens, this stream
+        try:
+            for request in request_iterator:
+                yield self.answer(request, histories)
+        finally:
+            with self._lock:
+                for seq_id in histories:
+                    self.proposer.forget(seq_id)
+
+    def answer(self, request: drafter_pb2.DraftRequest, histories) -> drafter_pb2.DraftResponse:
+        response = drafter_pb2.DraftResponse(step=request.step)
+        jobs = []
+        for delta in request.sequences:
+            sid = delta.sequence_id
+            if delta.finished:
+                histories.pop(sid, None)
+                with self._lock:
+                    self.proposer.forget(sid)
+                continue
+            history = histories.setdefault(sid, [])
+            if delta.accepted_len > len(history):  # state lost (restart): ask for all of it
+                histories.pop(sid)
+                response.resync_ids.append(sid)
+                continue
+            del history[delta.accepted_len :]
+            history.extend(delta.new_token_ids)
+            if delta.budget > 0:
+                jobs.append(
+                    DraftJob(sid, history, delta.budget, delta.temperature, delta.draw_seed)
+                )
+        if jobs:
+            started = time.perf_counter()
+            with self._lock:
+                trees = self.proposer.propose(jobs)
+            log.debug(
+                "drafted",
+                extra={
+                    "sequences": len(jobs),
+                    "nodes": sum(len(t) for t in trees),
+                    "ms": round((time.perf_counter() - started) * 1000, 1),
+                },
+            )
+            for job, tree in zip(jobs, trees, strict=True):
+                msg = response.trees.add(sequence_id=job.seq_id)
+                to_proto(tree, msg)
+        return response
 
 
 def build(settings: DrafterSettings):
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    label = "ngram"
-    if settings.proposer == "draft_model":
-        ref = (
-            ModelRef(path=settings.draft_model_path)
-            if settings.draft_model_path
-            else settings.draft_model
-        )
-        path, _ = models.resolve(ref, settings.model_cache_dir)
-        models.load_model(path, settings.device, settings.dtype)
-        label = ref.label
+    proposer = PROPOSERS[settings.proposer].from_settings(settings)
     server = Server(
         settings.host, settings.port, [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
     )
-    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterService(), server.grpc)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterService(proposer), server.grpc)
     server.start()
     server.set_serving(True)
     log.info(
-        "drafter ready", extra={"port": server.port, "proposer": settings.proposer, "model": label}
+        "drafter ready", extra={"port": server.port, "proposer": settings.proposer}
     )
     return server, lambda: None

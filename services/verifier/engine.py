@@ -1,4 +1,4 @@
-"""The verifier's decode loop: admit, step every running sequence, commit, emit, retire.
+"""The verifier's decode loop: admit; then per step plan, draft, verify, accept, emit, retire.
 
 One thread runs the loop; RPC handlers only hand it work through `admit` and `cancel`.
 """
@@ -14,9 +14,12 @@ import redis
 import torch
 
 from ..common.store import RequestStore
+from ..common.tree import DraftTree
+from .acceptance import accept
 from .runner import ModelRunner
-from .sampling import make_generator, sample_next
+from .sampling import make_generator
 from .sequence import Sequence
+from .speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +28,7 @@ class Engine:
     def __init__(
         self,
         runner: ModelRunner,
+        speculator: Speculator,
         store: RequestStore,
         *,
         batch_size: int,
@@ -33,6 +37,7 @@ class Engine:
         decode: Callable[[list[int]], str],
     ):
         self.runner = runner
+        self.speculator = speculator
         self.store = store
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
@@ -114,15 +119,41 @@ class Engine:
                 return
 
     def step(self) -> None:
-        """Plan, decode, commit, emit: one token for every running sequence."""
-        seqs = list(self.running.values())
-        with self._lock:
-            for seq in seqs:
-                seq.cancelled |= seq.request_id in self._cancel
-        for seq in seqs:
-            if not seq.cancelled:
-                self._decode_one(seq)
+        """Plan, draft, verify, accept, emit: one forward pass for every running sequence."""
+        seqs = self._plan()
+        if seqs:
+            trees = self.speculator.propose(seqs)
+            try:
+                logits = self.runner.verify(seqs, trees)
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                log.exception("forward failed", extra={"requests": len(seqs)})
+                for seq in seqs:
+                    seq.finish_reason, seq.error = "FINISH_REASON_ERROR", f"forward failed: {e}"
+            else:
+                for seq, tree, rows in zip(seqs, trees, logits, strict=True):
+                    self._accept(seq, tree, rows)
         self.steps += 1
+        self._emit(list(self.running.values()))
+
+    def _plan(self) -> list[Sequence]:
+        """The sequences that take part in this step: running, not cancelled, not finished."""
+        with self._lock:
+            for seq in self.running.values():
+                seq.cancelled |= seq.request_id in self._cancel
+        return [s for s in self.running.values() if not s.cancelled and not s.finish_reason]
+
+    def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> None:
+        verdict = accept(tree, logits, seq.params, seq.generator)
+        self.runner.commit(seq, tree, verdict.accepted)
+        emitted = seq.extend(verdict.tokens, self._finished)
+        seq.accepted += min(len(verdict.accepted), emitted)
+        seq.steps += 1
+
+    def _finished(self, seq: Sequence) -> str | None:
+        return seq.check_finished(self.eos_ids, self.max_seq_len, self._tail_text)
+
+    def _emit(self, seqs: list[Sequence]) -> None:
+        """Writes new tokens to Redis in one round trip; retires the sequences that ended."""
         progress = [
             (s.request_id, s.num_emitted, s.output_ids[s.num_emitted :])
             for s in seqs
@@ -132,18 +163,8 @@ class Engine:
         for seq, flagged in zip(seqs, cancel_flags, strict=True):
             seq.num_emitted = len(seq.output_ids)
             seq.cancelled |= flagged
-            if seq.check_finished(self.eos_ids, self.max_seq_len, self._tail_text):
+            if self._finished(seq):
                 self._retire(seq)
-
-    def _decode_one(self, seq: Sequence) -> None:
-        try:
-            logits = self.runner.next_logits(seq)
-        except (RuntimeError, torch.OutOfMemoryError) as e:
-            log.exception("forward failed", extra={"request_id": seq.request_id})
-            seq.finish_reason, seq.error = "FINISH_REASON_ERROR", f"model forward failed: {e}"
-            return
-        seq.append(sample_next(logits, seq.params, seq.generator))
-        seq.steps += 1
 
     def _tail_text(self, seq: Sequence) -> str:
         longest = max(len(s) for s in seq.stop)
@@ -155,6 +176,7 @@ class Engine:
         )
         self.store.finish(seq.request_id, status, seq.final_info(), seq.queue, seq.entry_id)
         self.runner.release(seq)
+        self.speculator.forget(seq)
         with self._lock:
             self.running.pop(seq.request_id, None)
             self._cancel.discard(seq.request_id)

@@ -5,39 +5,59 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import DynamicCache
 
+from ..common.flat_model import FlatModel, Segment
+from ..common.tree import DraftTree
 from .sequence import Sequence
 
 
 class ModelRunner:
-    """Plain decoding: each step feeds a sequence's unseen tokens and returns its last logits.
+    """One forward pass per step over every running sequence: each sequence's unseen tokens
+    (the prompt at first, then the last emitted token) followed by its draft tree's nodes.
 
-    A sequence's cache holds exactly num_computed tokens; the forward appends to it.
-    """
+    A sequence's KV buffer holds all_ids[:kv.length]; commit keeps the accepted path."""
 
-    def __init__(self, model, device: str):
+    def __init__(self, model: FlatModel):
         self.model = model
-        self.device = device
 
-    @torch.inference_mode()
-    def next_logits(self, seq: Sequence) -> torch.Tensor:
-        """Logits [vocab] (float32, CPU) after the sequence's last token."""
-        pending = seq.pending_input()
-        prefill = seq.num_computed == 0
+    def verify(self, seqs: list[Sequence], trees: list[DraftTree]) -> list[torch.Tensor]:
+        """Target logits per sequence: [nodes + 1, vocab]; row 0 follows the last token and
+        row i + 1 follows tree node i."""
         started = time.perf_counter()
-        if seq.cache is None:
-            seq.cache = DynamicCache(config=self.model.config)
-        input_ids = torch.tensor([pending], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=input_ids, past_key_values=seq.cache, use_cache=True, logits_to_keep=1
-        )
-        seq.num_computed += len(pending)
-        if prefill:
-            seq.prefill_ms = (time.perf_counter() - started) * 1000
-        return out.logits[0, -1].float().cpu()
+        segments = []
+        prefilling = []
+        for seq, tree in zip(seqs, trees, strict=True):
+            if seq.kv is None:
+                seq.kv = self.model.new_kv(len(seq.prompt_ids) + 64)
+                prefilling.append(seq)
+            segments.append(tree_segment(seq, tree))
+        logits = self.model.forward(segments)
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        for seq in prefilling:
+            seq.prefill_ms = elapsed_ms
+        return logits
+
+    @staticmethod
+    def commit(seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
+        """Keeps the KV entries of the accepted nodes right after the pending tokens."""
+        tree_start = seq.kv.length - len(tree)
+        seq.kv.keep(tree_start, accepted)
 
     @staticmethod
     def release(seq: Sequence) -> None:
-        seq.cache = None
-        seq.num_computed = 0
+        seq.kv = None
+
+
+def tree_segment(seq: Sequence, tree: DraftTree) -> Segment:
+    """pending tokens (causal) + tree nodes, each node seeing the prefix and its ancestors;
+    node position = position after the pending tokens + depth."""
+    pending = seq.pending_input()
+    past, p, n = seq.num_computed, len(pending), len(tree)
+    if n == 0:
+        return Segment(seq.kv, pending)
+    visible = torch.ones(p + n, past + p + n, dtype=torch.bool)
+    visible[:p, past:] = torch.ones(p, p + n, dtype=torch.bool).tril()
+    visible[p:, past + p :] = tree.ancestor_mask()
+    base = past + p
+    positions = list(range(past, base)) + [base + d for d in tree.depths()]
+    return Segment(seq.kv, pending + tree.token_ids, positions, visible, logits_from=p - 1)

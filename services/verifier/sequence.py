@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..common.flat_model import SequenceKV
 from .sampling import SamplingParams
 
 
@@ -25,15 +27,19 @@ class Sequence:
     entry_id: str
     created_ms: int
     admitted_ms: int
+    speculate: bool = True  # False when the request pinned speculation off
+    tree_size: int | None = None  # the request's fixed tree size, if it set one
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
     num_emitted: int = 0
-    cache: Any = None  # the model's KV cache object for this sequence
+    kv: SequenceKV | None = None  # the target's KV entries of all_ids[:kv.length]
     generator: torch.Generator | None = None
     cancelled: bool = False
     finish_reason: str | None = None  # FinishReason enum name once finished
     error: str = ""
     steps: int = 0
+    drafted: int = 0  # draft nodes proposed to the target
+    accepted: int = 0  # draft tokens the target accepted (and were emitted)
+    fallback_steps: int = 0
     prefill_ms: float = 0.0
     first_token_ms: float = 0.0  # unix ms of the first generated token
     last_token_ms: float = 0.0
@@ -42,16 +48,25 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    @property
+    def num_computed(self) -> int:
+        return self.kv.length if self.kv is not None else 0
+
     def pending_input(self) -> list[int]:
         """Tokens the model has not seen yet (the prompt at first, then the last token)."""
         return self.all_ids[self.num_computed :]
 
-    def append(self, token: int) -> None:
+    def extend(self, tokens: list[int], finished: Callable[[Sequence], str | None]) -> int:
+        """Appends tokens until `finished` names a reason; returns how many were appended."""
         now = time.time() * 1000
         if not self.output_ids:
             self.first_token_ms = now
         self.last_token_ms = now
-        self.output_ids.append(token)
+        for count, token in enumerate(tokens, 1):
+            self.output_ids.append(token)
+            if finished(self):
+                return count
+        return len(tokens)
 
     def check_finished(self, eos_ids: set[int], max_seq_len: int, decode_tail: Any) -> str | None:
         """Sets and returns the finish reason, if the sequence is done after its last token."""
@@ -89,10 +104,11 @@ class Sequence:
                 else 0.0,
             },
             "speculation": {
-                "drafted_tokens": 0,
-                "accepted_tokens": 0,
-                "mean_accepted_length": 1.0 if self.steps else 0.0,
+                "drafted_tokens": self.drafted,
+                "accepted_tokens": self.accepted,
+                "mean_accepted_length": len(self.output_ids) / self.steps if self.steps else 0.0,
                 "steps": self.steps,
+                "fallback_steps": self.fallback_steps,
             },
             "error": self.error,
         }

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import zlib
 
 import grpc
 import torch
 
 from ..common import models
+from ..common.flat_model import FlatModel
 from ..common.grpc_server import Server
 from ..common.settings import VerifierSettings
 from ..common.store import RequestStore
@@ -18,6 +20,7 @@ from .engine import Engine
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
+from .speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,7 @@ def sequence_from_record(rec) -> Sequence:
     """Builds the running sequence of a request from its Redis record."""
     spec = rec.spec
     sampling = spec.get("sampling", {})
+    speculation = spec.get("speculation", {})
     return Sequence(
         request_id=rec.request_id,
         prompt_ids=[int(t) for t in spec["prompt_ids"]],
@@ -37,6 +41,8 @@ def sequence_from_record(rec) -> Sequence:
             seed=int(sampling["seed"]) if "seed" in sampling else None,
         ),
         stop=list(spec.get("stop", [])),
+        speculate=speculation.get("mode") != "SPECULATION_MODE_OFF",
+        tree_size=int(speculation["tree_size"]) if "tree_size" in speculation else None,
         queue=rec.queue,
         entry_id=rec.entry_id,
         created_ms=rec.created_ms,
@@ -131,19 +137,21 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         eos_ids.add(tokenizer.eos_token_id)
     store = RequestStore.from_url(settings.redis_url)
     store.ensure_queues()
+    server = Server(
+        settings.host, settings.port, [pb.DESCRIPTOR.services_by_name["Verifier"].full_name]
+    )
+    address = settings.advertise_address or f"{settings.host}:{server.port}"
+    vid = settings.verifier_id or address
+    speculator = Speculator(settings, model.config.vocab_size, client_index=zlib.crc32(vid.encode()))
     engine = Engine(
-        ModelRunner(model, settings.device),
+        ModelRunner(FlatModel(model)),
+        speculator,
         store,
         batch_size=settings.batch_size,
         max_seq_len=settings.max_seq_len,
         eos_ids=eos_ids,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
-    server = Server(
-        settings.host, settings.port, [pb.DESCRIPTOR.services_by_name["Verifier"].full_name]
-    )
-    address = settings.advertise_address or f"{settings.host}:{server.port}"
-    vid = settings.verifier_id or address
     service = VerifierService(settings, engine, store, vid, settings.model.label)
     pb_grpc.add_VerifierServicer_to_server(service, server.grpc)
     stop_hb = threading.Event()
@@ -159,6 +167,8 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
             "address": address,
             "model": settings.model.label,
             "sha256": manifest.get("sha256", ""),
+            "speculative_decoding": settings.speculative_decoding,
+            "drafters": settings.drafter_addresses,
         },
     )
 
@@ -166,5 +176,6 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         stop_hb.set()
         store.deregister(vid)
         engine.stop()
+        speculator.close()
 
     return server, on_stop

@@ -1,0 +1,94 @@
+"""Draft token trees: what a proposer returns and the verifier checks.
+
+Node i holds token_ids[i]; its parent is parents[i] (-1: the root, i.e. the sequence's last
+token). Parents come before children. Siblings are listed in the order they were drawn, which
+matters for rejection sampling.
+
+`dists` maps a node (-1 for the root) to the draft distribution its children were drawn from,
+as a sparse (token ids, probabilities) pair. A node without one has deterministic children
+(greedy top-k or n-gram drafts): rejection sampling then treats each child as a point mass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    token_ids: list[int] = field(default_factory=list)  # [nodes]
+    parents: list[int] = field(default_factory=list)  # [nodes], -1 = root
+    dists: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def add(self, token: int, parent: int) -> int:
+        self.token_ids.append(token)
+        self.parents.append(parent)
+        return len(self.token_ids) - 1
+
+    def depths(self) -> list[int]:
+        """Depth of each node; children of the root have depth 0."""
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(0 if p < 0 else depth[p] + 1)
+        return depth
+
+    def children(self) -> dict[int, list[int]]:
+        """Node (-1: root) -> its children in listed order."""
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            kids.setdefault(p, []).append(i)
+        return kids
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[nodes, nodes] bool: node i sees node j iff j is i or one of its ancestors."""
+        n = len(self)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask
+
+    def path(self, node: int) -> list[int]:
+        """Tokens from the root's first child down to node."""
+        tokens = []
+        while node >= 0:
+            tokens.append(self.token_ids[node])
+            node = self.parents[node]
+        return tokens[::-1]
+
+    def validate(self, vocab_size: int) -> None:
+        """Raises ValueError when the tree is malformed (it came over the network)."""
+        if len(self.parents) != len(self.token_ids):
+            raise ValueError("token_ids and parent_indices differ in length")
+        for i, (t, p) in enumerate(zip(self.token_ids, self.parents, strict=True)):
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"node {i}: token {t} outside the vocabulary")
+            if not -1 <= p < i:
+                raise ValueError(f"node {i}: parent {p} does not come before it")
+        for node, (ids, probs) in self.dists.items():
+            if not -1 <= node < len(self) or len(ids) != len(probs):
+                raise ValueError(f"draft distribution of node {node} is malformed")
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise ValueError(f"draft distribution of node {node} has tokens out of vocab")
+
+
+def to_proto(tree: DraftTree, msg) -> None:
+    """Fills a specserve.v1.DraftTree message."""
+    msg.token_ids.extend(tree.token_ids)
+    msg.parent_indices.extend(tree.parents)
+    for node, (ids, probs) in tree.dists.items():
+        msg.distributions.add(node_index=node, token_ids=ids, probs=probs)
+
+
+def from_proto(msg) -> DraftTree:
+    return DraftTree(
+        token_ids=list(msg.token_ids),
+        parents=list(msg.parent_indices),
+        dists={d.node_index: (list(d.token_ids), list(d.probs)) for d in msg.distributions},
+    )

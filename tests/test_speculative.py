@@ -1,0 +1,169 @@
+"""Speculative decoding is lossless: the proposers, tree verification and acceptance together
+give the target's greedy output token for token, for every tree shape, size and batch size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.common.flat_model import FlatModel
+from specserve.drafter.proposers import DraftJob, DraftModelProposer, NgramProposer, TreeShape
+from specserve.verifier.acceptance import accept
+from specserve.verifier.reference import hf_greedy
+from specserve.verifier.runner import ModelRunner
+from specserve.verifier.sampling import SamplingParams
+from specserve.verifier.sequence import Sequence
+
+PROMPTS = [
+    [9707, 11, 1879, 0, 9707, 11, 1879, 0, 9707],
+    [750, 75698, 1445, 982, 262, 470],
+    [1, 2, 3, 4, 5, 1, 2, 3],
+    [151, 7000, 42, 42, 42, 42],
+    [100, 200, 300],
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+    [314, 15, 159, 265],
+    [88, 99, 88, 99, 88],
+]
+
+
+def new_seq(i: int, prompt: list[int], max_tokens: int) -> Sequence:
+    return Sequence(
+        request_id=f"r{i}",
+        prompt_ids=list(prompt),
+        max_tokens=max_tokens,
+        params=SamplingParams(),
+        stop=[],
+        queue="interactive",
+        entry_id="0-0",
+        created_ms=0,
+        admitted_ms=0,
+    )
+
+
+def speculative_greedy(target, proposer, prompts, max_tokens: int, budget: int, eos: int):
+    """The verifier's step without the service around it: draft, verify, accept, commit."""
+    runner = ModelRunner(FlatModel(target))
+    seqs = [new_seq(i, p, max_tokens) for i, p in enumerate(prompts)]
+
+    def finished(seq):
+        return len(seq.output_ids) >= seq.max_tokens or seq.output_ids[-1] == eos
+
+    active, steps = list(seqs), 0
+    while active:
+        jobs = [
+            DraftJob(s.request_id, s.all_ids, min(budget, s.max_tokens - len(s.output_ids) - 1))
+            for s in active
+        ]
+        trees = proposer.propose(jobs)
+        for tree, job in zip(trees, jobs, strict=True):
+            assert len(tree) <= job.budget
+        for seq, tree, logits in zip(active, trees, runner.verify(active, trees), strict=True):
+            verdict = accept(tree, logits, seq.params, None)
+            runner.commit(seq, tree, verdict.accepted)
+            seq.extend(verdict.tokens, finished)
+        active = [s for s in active if not finished(s)]
+        steps += 1
+    return [s.output_ids for s in seqs], steps
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model, tokenizer):
+    return {i: hf_greedy(tiny_model, p, 40) for i, p in enumerate(PROMPTS)}
+
+
+def draft_model_proposer(draft, shape):
+    return DraftModelProposer(FlatModel(draft), shape)
+
+
+PROPOSERS = {
+    "draft-same": lambda target, draft, shape: draft_model_proposer(target, shape),
+    "draft-other": lambda target, draft, shape: draft_model_proposer(draft, shape),
+    "ngram": lambda target, draft, shape: NgramProposer(shape),
+}
+SHAPES = {
+    "chain": TreeShape(max_depth=64, branching=1, width=1),
+    "tree": TreeShape(max_depth=8, branching=3, width=4),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("budget", [1, 2, 5, 16, 64])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_greedy_output_is_the_targets(
+    tiny_model, tiny_draft, tokenizer, references, proposer, shape, budget, batch
+):
+    prop = PROPOSERS[proposer](tiny_model, tiny_draft, SHAPES[shape])
+    prompts = PROMPTS[:batch]
+    outputs, steps = speculative_greedy(
+        tiny_model, prop, prompts, 40, budget, tokenizer.eos_token_id
+    )
+    for i, out in enumerate(outputs):
+        assert out == references[i]
+    if proposer == "draft-same" and shape == "chain" and budget >= 5:  # a perfect draft
+        assert steps < max(len(o) for o in outputs) / 2
+
+
+def test_draft_cache_resyncs_after_a_rollback(tiny_model):
+    """A drafter told a shorter or different history drafts as if it started fresh."""
+    shape = SHAPES["tree"]
+    warm = draft_model_proposer(tiny_model, shape)
+    history = PROMPTS[1] + [11, 12, 13, 14]
+    warm.propose([DraftJob("s", history, 8)])
+    rolled = PROMPTS[1] + [11, 99]
+    again = warm.propose([DraftJob("s", rolled, 8)])[0]
+    fresh = draft_model_proposer(tiny_model, shape).propose([DraftJob("s", rolled, 8)])[0]
+    assert again.token_ids == fresh.token_ids and again.parents == fresh.parents
+
+
+def test_chain_draft_of_the_target_itself_is_its_greedy_continuation(tiny_model):
+    chain = draft_model_proposer(tiny_model, SHAPES["chain"])
+    (tree,) = chain.propose([DraftJob("s", PROMPTS[0], 6)])
+    assert tree.parents == [-1, 0, 1, 2, 3, 4]
+    assert tree.token_ids == hf_greedy(tiny_model, PROMPTS[0], 6)
+
+
+def test_sampled_trees_carry_the_distribution_their_children_came_from(tiny_model):
+    prop = draft_model_proposer(tiny_model, SHAPES["tree"])
+    (tree,) = prop.propose([DraftJob("s", PROMPTS[2], 12, temperature=0.8, seed=3)])
+    assert 0 < len(tree) <= 12
+    tree.validate(tiny_model.config.vocab_size)
+    for node, kids in tree.children().items():
+        ids, probs = tree.dists[node]
+        assert abs(sum(probs) - 1) < 1e-4
+        assert all(tree.token_ids[k] in ids for k in kids)
+        assert len({tree.token_ids[k] for k in kids}) == len(kids)  # without replacement
+    (same,) = draft_model_proposer(tiny_model, SHAPES["tree"]).propose(
+        [DraftJob("s", PROMPTS[2], 12, temperature=0.8, seed=3)]
+    )
+    assert same.token_ids == tree.token_ids
+
+
+def test_ngram_proposes_what_followed_the_last_match():
+    prop = NgramProposer(TreeShape(max_depth=4), min_ngram=2, max_ngram=3)
+    history = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    tree = prop.propose_one(history, budget=16)
+    paths = {tuple(tree.path(n)) for n in range(len(tree)) if n not in tree.children()}
+    assert paths == {(7, 8, 1, 2), (4, 5, 9, 1)}  # both earlier matches, most recent first
+    assert len(prop.propose_one(history, budget=3)) == 3
+    assert len(prop.propose_one([1, 2, 3, 4], budget=8)) == 0
+
+
+def test_sampling_with_speculation_keeps_seeded_requests_reproducible(tiny_model, tiny_draft):
+    def run():
+        torch.manual_seed(0)
+        prop = draft_model_proposer(tiny_draft, SHAPES["tree"])
+        runner = ModelRunner(FlatModel(tiny_model))
+        seq = new_seq(0, PROMPTS[0], 30)
+        gen = torch.Generator().manual_seed(11)
+        params = SamplingParams(temperature=1.0, seed=11)
+        while len(seq.output_ids) < 30:
+            seed = int(torch.randint(2**62, (), generator=gen))
+            (tree,) = prop.propose([DraftJob("s", seq.all_ids, 6, 1.0, seed)])
+            (logits,) = runner.verify([seq], [tree])
+            verdict = accept(tree, logits, params, gen)
+            runner.commit(seq, tree, verdict.accepted)
+            seq.extend(verdict.tokens, lambda s: len(s.output_ids) >= 30)
+        return seq.output_ids
+
+    assert run() == run()

@@ -1,0 +1,87 @@
+"""The flat forward with tree attention against plain Hugging Face passes (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.common.flat_model import FlatModel, Segment
+from specserve.common.tree import DraftTree
+from specserve.verifier.runner import tree_segment
+from specserve.verifier.sampling import SamplingParams
+from specserve.verifier.sequence import Sequence
+
+
+def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def random_tree(nodes: int, vocab: int, seed: int) -> DraftTree:
+    g = torch.Generator().manual_seed(seed)
+    tree = DraftTree()
+    for i in range(nodes):
+        parent = int(torch.randint(-1, i, (), generator=g)) if i else -1
+        tree.add(int(torch.randint(vocab, (), generator=g)), parent)
+    return tree
+
+
+def make_seq(prompt: list[int], output: list[int] | None = None) -> Sequence:
+    return Sequence(
+        request_id="r",
+        prompt_ids=prompt,
+        max_tokens=100,
+        params=SamplingParams(),
+        stop=[],
+        queue="interactive",
+        entry_id="0-0",
+        created_ms=0,
+        admitted_ms=0,
+        output_ids=list(output or []),
+    )
+
+
+@pytest.mark.parametrize("nodes,seed", [(1, 0), (5, 1), (16, 2), (64, 3)])
+def test_every_tree_node_matches_a_plain_pass_over_its_path(tiny_model, nodes, seed):
+    flat = FlatModel(tiny_model)
+    vocab = tiny_model.config.vocab_size
+    prompt = torch.randint(vocab, (23,), generator=torch.Generator().manual_seed(seed)).tolist()
+    seq = make_seq(prompt[:20], prompt[20:])
+    seq.kv = flat.new_kv()
+    flat.forward([Segment(seq.kv, prompt[:20])])  # the prompt is cached; 3 tokens pending
+    tree = random_tree(nodes, vocab, seed)
+    (logits,) = flat.forward([tree_segment(seq, tree)])
+    assert logits.shape == (nodes + 1, vocab)
+    torch.testing.assert_close(logits[0], hf_last_logits(tiny_model, prompt), atol=1e-4, rtol=1e-4)
+    for node in range(nodes):
+        expected = hf_last_logits(tiny_model, prompt + tree.path(node))
+        torch.testing.assert_close(logits[node + 1], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_keeping_an_accepted_path_leaves_the_cache_of_that_path(tiny_model):
+    flat = FlatModel(tiny_model)
+    prompt = list(range(100, 130))
+    seq = make_seq(prompt)
+    seq.kv = flat.new_kv(4)  # small, so the buffer has to grow
+    tree = DraftTree()
+    a = tree.add(7, -1)
+    tree.add(8, -1)
+    b = tree.add(9, a)
+    flat.forward([tree_segment(seq, tree)])
+    seq.kv.keep(seq.kv.length - len(tree), [a, b])
+    assert seq.kv.length == len(prompt) + 2
+    (after,) = flat.forward([Segment(seq.kv, [11])])
+    torch.testing.assert_close(after[0], hf_last_logits(tiny_model, prompt + [7, 9, 11]))
+
+
+def test_one_batch_of_sequences_equals_separate_passes(tiny_model):
+    flat = FlatModel(tiny_model)
+    prompts = [list(range(10, 10 + n)) for n in (3, 17, 8)]
+    kvs = [flat.new_kv() for _ in prompts]
+    batched = flat.forward([Segment(kv, p) for kv, p in zip(kvs, prompts, strict=True)])
+    for p, rows in zip(prompts, batched, strict=True):
+        torch.testing.assert_close(rows[0], hf_last_logits(tiny_model, p), atol=1e-4, rtol=1e-4)
+    more = flat.forward([Segment(kv, [5, 6]) for kv in kvs])
+    for p, rows in zip(prompts, more, strict=True):
+        expected = hf_last_logits(tiny_model, p + [5, 6])
+        torch.testing.assert_close(rows[0], expected, atol=1e-4, rtol=1e-4)
