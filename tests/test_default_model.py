@@ -1,4 +1,5 @@
-"""The default target model (Qwen2.5-Coder-1.5B-Instruct, float32) through the whole cluster."""
+"""The default pair (Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft, float32) through the
+whole cluster: greedy output with speculation on and off equals plain Hugging Face."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ from conftest import cluster_config, default_target_dir
 from helpers import generate, request
 from specserve.common import models
 from specserve.local_cluster import LocalCluster
-from specserve.v1 import generation_pb2, generation_pb2_grpc
+from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
 pytestmark = pytest.mark.default_model
 
 
-def test_default_target_greedy_matches_hf(tmp_path, tokenizer):
+def test_default_pair_greedy_matches_hf_with_speculation_on_and_off(tmp_path, tokenizer):
     config = cluster_config(
-        None, verifier={"batch_size": 2, "torch_threads": 0}, drafter={"proposer": "ngram"}
+        None,
+        verifier={"batch_size": 2, "torch_threads": 0, "speculative_decoding": True},
+        drafter={"max_depth": 4},
     )
     cluster = LocalCluster(config, tmp_path)
     try:
@@ -26,9 +29,11 @@ def test_default_target_greedy_matches_hf(tmp_path, tokenizer):
             stub = generation_pb2_grpc.GenerationStub(channel)
             info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
             assert info.sha256 == models.CATALOG[(info.name, info.version)].sha256
-            req = request(max_tokens=12)
-            req.messages.messages.add(role="user", content="Write a haiku about Redis.")
-            res = generate(stub, req, timeout=300)
+            results = {}
+            for mode in (common_pb2.SPECULATION_MODE_AUTO, common_pb2.SPECULATION_MODE_OFF):
+                req = request(max_tokens=12, speculation=common_pb2.SpeculationOptions(mode=mode))
+                req.messages.messages.add(role="user", content="Write a haiku about Redis.")
+                results[mode] = generate(stub, req, timeout=300)
     finally:
         cluster.stop()
     text = tokenizer.apply_chat_template(
@@ -37,5 +42,12 @@ def test_default_target_greedy_matches_hf(tmp_path, tokenizer):
         tokenize=False,
     )
     model = models.load_model(default_target_dir(), "cpu", "float32")
-    assert res.ids == hf_greedy(model, tokenizer(text).input_ids, 12)
-    assert res.text.strip()
+    expected = hf_greedy(model, tokenizer(text).input_ids, 12)
+    on, off = results[common_pb2.SPECULATION_MODE_AUTO], results[common_pb2.SPECULATION_MODE_OFF]
+    assert on.ids == expected
+    assert off.ids == expected
+    assert on.text.strip()
+    assert on.final.speculation.drafted_tokens > 0
+    assert on.final.speculation.accepted_tokens > 0
+    assert on.final.speculation.steps < 12
+    assert off.final.speculation.drafted_tokens == 0

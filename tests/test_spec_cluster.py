@@ -1,0 +1,116 @@
+"""Speculative decoding through the whole cluster: real drafter and verifier processes."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import grpc
+import pytest
+
+from conftest import cluster_config
+from helpers import generate, request
+from specserve.local_cluster import LocalCluster
+from specserve.v1 import common_pb2, generation_pb2_grpc
+from specserve.verifier.reference import hf_greedy
+
+PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "a b c a b c a b", "SELECT * FROM"]
+
+
+def start(tmp_path, model_dir, draft_dir, **sections):
+    config = cluster_config(model_dir, **sections)
+    config["verifier"].update(speculative_decoding=True, verification_tree_size=8)
+    config["drafter"].update(draft_model_path=str(draft_dir))
+    return LocalCluster(config, tmp_path).start(timeout=180)
+
+
+@pytest.fixture
+def stub_of():
+    channels = []
+
+    def make(cluster):
+        channels.append(grpc.insecure_channel(cluster.procs["gateway"].address))
+        return generation_pb2_grpc.GenerationStub(channels[-1])
+
+    yield make
+    for channel in channels:
+        channel.close()
+
+
+@pytest.mark.parametrize(
+    "proposer,shape",
+    [("draft_model", {"branching": 2, "width": 4}), ("draft_model", {"branching": 1, "width": 1}),
+     ("ngram", {})],
+    ids=["draft-tree", "draft-chain", "ngram"],
+)
+def test_concurrent_greedy_requests_equal_the_targets_output(
+    tmp_path, stub_of, tiny_model_dir, tiny_model, tokenizer, proposer, shape
+):
+    cluster = start(tmp_path, tiny_model_dir, tiny_model_dir, drafter={"proposer": proposer, **shape})
+    try:
+        stub = stub_of(cluster)
+        jobs = [tokenizer(p).input_ids for p in PROMPTS[:3]]
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(
+                pool.map(lambda ids: generate(stub, request(prompt_ids=ids, max_tokens=40)), jobs)
+            )
+        for ids, res in zip(jobs, results, strict=True):
+            assert res.ids == hf_greedy(tiny_model, ids, 40)
+            stats = res.final.speculation
+            assert stats.fallback_steps == 0
+            assert stats.steps * stats.mean_accepted_length == pytest.approx(len(res.ids))
+        drafted = [r.final.speculation.drafted_tokens for r in results]
+        accepted = sum(r.final.speculation.accepted_tokens for r in results)
+        if proposer == "draft_model":  # the draft is the target itself: most drafts hold
+            assert min(drafted) > 0 and accepted > 0.5 * sum(len(r.ids) for r in results)
+        off = generate(
+            stub,
+            request(
+                prompt_ids=jobs[0],
+                max_tokens=10,
+                speculation=common_pb2.SpeculationOptions(mode=common_pb2.SPECULATION_MODE_OFF),
+            ),
+        )
+        assert off.ids == results[0].ids[:10]
+        assert off.final.speculation.drafted_tokens == 0
+        assert off.final.speculation.steps == 10
+    finally:
+        cluster.stop()
+
+
+def test_killing_the_drafter_mid_stream_changes_nothing_the_client_sees(
+    tmp_path, stub_of, tiny_model_dir, tiny_draft_dir, tiny_model, tokenizer
+):
+    cluster = start(
+        tmp_path,
+        tiny_model_dir,
+        tiny_draft_dir,
+        verifier={"breaker_failures": 2, "breaker_cooldown_seconds": 0.5},
+    )
+    try:
+        stub = stub_of(cluster)
+        ids = tokenizer(PROMPTS[0]).input_ids
+        stream = stub.Generate(request(prompt_ids=ids, max_tokens=600), timeout=120)
+        chunks = [next(stream)]
+        drafter_port = cluster.procs["drafter"].port
+        cluster.kill("drafter")
+        chunks.extend(stream)
+        got = [t for c in chunks for t in c.token_ids]
+        assert got == hf_greedy(tiny_model, ids, 600)
+        assert [c.first_index for c in chunks] == [
+            sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))
+        ]
+        assert chunks[-1].final.speculation.fallback_steps > 0
+        assert chunks[-1].final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+        # A drafter back on the same address: the verifier resyncs and drafts again.
+        cluster.start_service("drafter", port=drafter_port)
+        cluster.wait_ready("drafter", 120)
+        res = generate(stub, request(prompt_ids=ids, max_tokens=40))
+        assert res.ids == got[:40]
+        for _ in range(20):
+            if res.final.speculation.drafted_tokens > 0:
+                break
+            res = generate(stub, request(prompt_ids=ids, max_tokens=40))
+        assert res.final.speculation.drafted_tokens > 0
+    finally:
+        cluster.stop()
