@@ -86,7 +86,8 @@ def cluster_config(model_dir: Path | None, **sections) -> dict:
         "gateway": {"model": model, "max_seq_len": 2048, "max_tokens_limit": 1024},
         "scheduler": {},
         "verifier": {"model": model, "batch_size": 4, "max_seq_len": 2048, "torch_threads": 1},
-        "drafter": {"draft_model_path": str(model_dir)} if model_dir else {},
+        # Random tiny models are never confident: let their trees grow anyway.
+        "drafter": {"draft_model_path": str(model_dir), "min_path_prob": 0} if model_dir else {},
     }
     for name, values in sections.items():
         config[name].update(values)

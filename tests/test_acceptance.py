@@ -95,7 +95,7 @@ def first_tokens(sampler, params: SamplingParams, siblings: int, with_dist=True)
     return counts
 
 
-@pytest.mark.parametrize("siblings", [1, 3])
+@pytest.mark.parametrize("siblings", [0, 1, 3])
 @pytest.mark.parametrize(
     "params",
     [
@@ -136,7 +136,9 @@ def test_seeded_acceptance_is_reproducible():
 
     def run():
         gen = torch.Generator().manual_seed(5)
-        return [accept(sampled_tree(gen, 3, True), P_LOGITS.repeat(4, 1), params, gen).tokens
-                for _ in range(50)]
+        return [
+            accept(sampled_tree(gen, 3, True), P_LOGITS.repeat(4, 1), params, gen).tokens
+            for _ in range(50)
+        ]
 
     assert run() == run()

@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import urllib.request
 
 import grpc
 import pytest
 
 from conftest import cluster_config
 from helpers import generate, request
-from specserve.local_cluster import LocalCluster
+from specserve.local_cluster import LocalCluster, free_port
 from specserve.v1 import common_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "a b c a b c a b", "SELECT * FROM"]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A service's Prometheus metrics, unlabelled samples only."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    samples = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
 
 
 def start(tmp_path, model_dir, draft_dir, **sections):
@@ -38,14 +50,24 @@ def stub_of():
 
 @pytest.mark.parametrize(
     "proposer,shape",
-    [("draft_model", {"branching": 2, "width": 4}), ("draft_model", {"branching": 1, "width": 1}),
-     ("ngram", {})],
+    [
+        ("draft_model", {"branching": 2, "width": 4}),
+        ("draft_model", {"branching": 1, "width": 1}),
+        ("ngram", {}),
+    ],
     ids=["draft-tree", "draft-chain", "ngram"],
 )
 def test_concurrent_greedy_requests_equal_the_targets_output(
     tmp_path, stub_of, tiny_model_dir, tiny_model, tokenizer, proposer, shape
 ):
-    cluster = start(tmp_path, tiny_model_dir, tiny_model_dir, drafter={"proposer": proposer, **shape})
+    ports = {"verifier": free_port(), "drafter": free_port()}
+    cluster = start(
+        tmp_path,
+        tiny_model_dir,
+        tiny_model_dir,
+        drafter={"proposer": proposer, "metrics_port": ports["drafter"], **shape},
+        verifier={"metrics_port": ports["verifier"]},
+    )
     try:
         stub = stub_of(cluster)
         jobs = [tokenizer(p).input_ids for p in PROMPTS[:3]]
@@ -73,6 +95,20 @@ def test_concurrent_greedy_requests_equal_the_targets_output(
         assert off.ids == results[0].ids[:10]
         assert off.final.speculation.drafted_tokens == 0
         assert off.final.speculation.steps == 10
+
+        sampling = common_pb2.SamplingParams(temperature=0.9, top_k=40, seed=21)
+        seeded = [
+            generate(stub, request(prompt_ids=jobs[1], max_tokens=30, sampling=sampling)).ids
+            for _ in range(2)
+        ]
+        assert seeded[0] == seeded[1]
+
+        verifier = scrape(ports["verifier"])
+        assert verifier["specserve_verifier_drafted_tokens_total"] == sum(drafted)
+        assert verifier["specserve_verifier_accepted_tokens_total"] == accepted
+        assert verifier["specserve_verifier_accepted_length_count"] > 0
+        assert verifier["specserve_verifier_verify_seconds_count"] > 0
+        assert scrape(ports["drafter"])["specserve_drafter_propose_seconds_count"] > 0
     finally:
         cluster.stop()
 

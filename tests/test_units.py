@@ -7,7 +7,7 @@ import torch
 
 from specserve.common.settings import ConfigError, VerifierSettings
 from specserve.gateway.text import IncrementalDetokenizer, StopTrimmer
-from specserve.verifier.sampling import SamplingParams, sample_next, target_probs
+from specserve.verifier.sampling import SamplingParams, target_probs
 
 
 def test_incremental_detokenizer_never_splits_characters(tokenizer):
@@ -34,11 +34,6 @@ def test_stop_trimmer(pieces, stops, expected):
     assert out == expected
 
 
-def test_greedy_is_argmax():
-    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
-    assert sample_next(logits, SamplingParams(), None) == 1
-
-
 def test_top_k_and_top_p_restrict_the_distribution():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
@@ -47,17 +42,6 @@ def test_top_k_and_top_p_restrict_the_distribution():
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
     p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
     assert torch.allclose(p, torch.tensor([1.0, 0.0, 0.0, 0.0]))
-
-
-def test_sampling_matches_the_distribution():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=1.0, seed=0)
-    counts = torch.bincount(
-        torch.tensor([sample_next(logits, params, gen) for _ in range(4000)]), minlength=4
-    )
-    freq = counts.float() / counts.sum()
-    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
 
 
 def test_settings_yaml_env_and_errors(tmp_path, monkeypatch):
@@ -74,3 +58,21 @@ def test_settings_yaml_env_and_errors(tmp_path, monkeypatch):
     path.write_text("verifier: {bach_size: 3}\n")
     with pytest.raises(ConfigError, match="verifier.bach_size"):
         VerifierSettings.load(path)
+
+
+def test_circuit_breaker_opens_after_failures_and_retries_after_cooldown():
+    from specserve.verifier.speculator import CircuitBreaker
+
+    now = [100.0]
+    breaker = CircuitBreaker(failures=2, cooldown=5.0, clock=lambda: now[0])
+    breaker.failure()
+    assert breaker.allow()
+    breaker.failure()
+    assert not breaker.allow()
+    now[0] += 5.0
+    assert breaker.allow()  # half-open: one trial
+    breaker.failure()
+    assert not breaker.allow()  # the trial failed: open again
+    now[0] += 5.0
+    breaker.success()
+    assert breaker.allow() and breaker.failures == 0

@@ -6,6 +6,8 @@ import importlib
 import logging
 import sys
 
+import prometheus_client
+
 from . import telemetry
 from .settings import SETTINGS_BY_SERVICE
 
@@ -15,6 +17,8 @@ log = logging.getLogger(__name__)
 def run_service(name: str, config_path: str | None, port: int | None = None) -> int:
     settings = SETTINGS_BY_SERVICE[name].load(config_path, port=port)
     telemetry.setup(name, settings.log_level, settings.otlp_endpoint)
+    if settings.metrics_port is not None:
+        prometheus_client.start_http_server(settings.metrics_port, addr=settings.host)
     module = importlib.import_module(f"specserve.{name}.server")
     try:
         server, on_stop = module.build(settings)

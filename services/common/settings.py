@@ -49,6 +49,9 @@ class ServiceSettings(BaseSettings):
     log_level: LogLevel = "INFO"
     timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of internal RPCs.")
     otlp_endpoint: str | None = None
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535, description="Prometheus /metrics port; unset = none."
+    )
     drain_seconds: float = Field(default=10.0, ge=0, description="Grace period on SIGTERM.")
     heartbeat_seconds: float = Field(default=1.0, gt=0)
     model_cache_dir: str = str(Path.home() / ".cache" / "specserve" / "models")
@@ -159,6 +162,12 @@ class DrafterSettings(ServiceSettings):
     max_depth: int = Field(default=6, ge=1, le=64, description="Draft tree levels.")
     branching: int = Field(default=2, ge=1, le=16, description="Children per expanded node.")
     width: int = Field(default=4, ge=1, le=64, description="Nodes expanded per level.")
+    min_path_prob: float = Field(
+        default=0.2,
+        ge=0,
+        lt=1,
+        description="Nodes whose cumulative draft probability is below this get no children.",
+    )
     sample_support: int = Field(
         default=32, ge=1, description="Tokens kept in the draft distribution of sampled trees."
     )

@@ -42,10 +42,11 @@ class TreeShape:
     max_depth: int = 6  # tree levels
     branching: int = 2  # children per expanded node
     width: int = 4  # nodes expanded per level
+    min_path_prob: float = 0.0  # a node whose path is less likely than this is not expanded
 
 
 def shape_of(settings: DrafterSettings) -> TreeShape:
-    return TreeShape(settings.max_depth, settings.branching, settings.width)
+    return TreeShape(settings.max_depth, settings.branching, settings.width, settings.min_path_prob)
 
 
 class Proposer(ABC):
@@ -60,6 +61,7 @@ class Proposer(ABC):
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         """One tree per job, at most job.budget nodes each (maybe empty)."""
 
+    @abstractmethod
     def forget(self, seq_id: str) -> None:
         """Frees whatever the proposer keeps for a sequence."""
 
@@ -77,6 +79,9 @@ class NgramProposer(Proposer):
 
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         return [self.propose_one(job.tokens, job.budget) for job in jobs]
+
+    def forget(self, seq_id: str) -> None:
+        """Nothing to free: the proposer keeps no state."""
 
     def propose_one(self, tokens: list[int], budget: int) -> DraftTree:
         tree = DraftTree()
@@ -246,12 +251,14 @@ class DraftModelProposer(Proposer):
         for score, token, parent in chosen:
             added.append(g.tree.add(token, parent))
             g.score.append(score)
-        g.frontier = heapq.nlargest(shape.width, added, key=lambda n: g.score[n])
+        floor = math.log(shape.min_path_prob) if shape.min_path_prob > 0 else -math.inf
+        promising = [n for n in added if g.score[n] >= floor]
+        g.frontier = heapq.nlargest(shape.width, promising, key=lambda n: g.score[n])
 
     def _draft_dist(self, logits: torch.Tensor, temperature: float):
         """q: softmax(logits / T) over the top `sample_support` tokens, renormalised."""
         top = torch.topk(logits.float() / temperature, self.sample_support)
-        return top.indices, torch.softmax(top.values, dim=-1)
+        return top.indices.cpu(), torch.softmax(top.values, dim=-1).cpu()
 
 
 def _gumbel_top_k(probs: torch.Tensor, k: int, generator) -> list[int]:

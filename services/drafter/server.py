@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import torch
 
@@ -12,6 +11,7 @@ from ..common.grpc_server import Server
 from ..common.settings import DrafterSettings
 from ..common.tree import to_proto
 from ..v1 import drafter_pb2, drafter_pb2_grpc
+from . import metrics
 from .proposers import PROPOSERS, DraftJob, Proposer
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             if delta.accepted_len > len(history):  # state lost (restart): ask for all of it
                 histories.pop(sid)
                 response.resync_ids.append(sid)
+                metrics.RESYNCS.inc()
                 continue
             del history[delta.accepted_len :]
             history.extend(delta.new_token_ids)
@@ -54,20 +55,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     DraftJob(sid, history, delta.budget, delta.temperature, delta.draw_seed)
                 )
         if jobs:
-            started = time.perf_counter()
-            with self._lock:
+            with self._lock, metrics.PROPOSE_SECONDS.time():
                 trees = self.proposer.propose(jobs)
-            log.debug(
-                "drafted",
-                extra={
-                    "sequences": len(jobs),
-                    "nodes": sum(len(t) for t in trees),
-                    "ms": round((time.perf_counter() - started) * 1000, 1),
-                },
-            )
             for job, tree in zip(jobs, trees, strict=True):
-                msg = response.trees.add(sequence_id=job.seq_id)
-                to_proto(tree, msg)
+                metrics.TREE_NODES.observe(len(tree))
+                to_proto(tree, response.trees.add(sequence_id=job.seq_id))
         return response
 
 
@@ -81,7 +73,5 @@ def build(settings: DrafterSettings):
     drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterService(proposer), server.grpc)
     server.start()
     server.set_serving(True)
-    log.info(
-        "drafter ready", extra={"port": server.port, "proposer": settings.proposer}
-    )
+    log.info("drafter ready", extra={"port": server.port, "proposer": settings.proposer})
     return server, lambda: None

@@ -15,6 +15,7 @@ import torch
 
 from ..common.store import RequestStore
 from ..common.tree import DraftTree
+from . import metrics
 from .acceptance import accept
 from .runner import ModelRunner
 from .sampling import make_generator
@@ -122,9 +123,11 @@ class Engine:
         """Plan, draft, verify, accept, emit: one forward pass for every running sequence."""
         seqs = self._plan()
         if seqs:
-            trees = self.speculator.propose(seqs)
+            with metrics.DRAFT_SECONDS.time():
+                trees = self.speculator.propose(seqs)
             try:
-                logits = self.runner.verify(seqs, trees)
+                with metrics.VERIFY_SECONDS.time():
+                    logits = self.runner.verify(seqs, trees)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 log.exception("forward failed", extra={"requests": len(seqs)})
                 for seq in seqs:
@@ -133,6 +136,7 @@ class Engine:
                 for seq, tree, rows in zip(seqs, trees, logits, strict=True):
                     self._accept(seq, tree, rows)
         self.steps += 1
+        metrics.STEPS.inc()
         self._emit(list(self.running.values()))
 
     def _plan(self) -> list[Sequence]:
@@ -146,8 +150,13 @@ class Engine:
         verdict = accept(tree, logits, seq.params, seq.generator)
         self.runner.commit(seq, tree, verdict.accepted)
         emitted = seq.extend(verdict.tokens, self._finished)
-        seq.accepted += min(len(verdict.accepted), emitted)
+        accepted = min(len(verdict.accepted), emitted)
+        seq.accepted += accepted
         seq.steps += 1
+        metrics.DRAFTED_TOKENS.inc(len(tree))
+        metrics.ACCEPTED_TOKENS.inc(accepted)
+        metrics.ACCEPTED_LENGTH.observe(emitted)
+        metrics.GENERATED_TOKENS.inc(emitted)
 
     def _finished(self, seq: Sequence) -> str | None:
         return seq.check_finished(self.eos_ids, self.max_seq_len, self._tail_text)

@@ -31,7 +31,7 @@ class ModelRunner:
                 seq.kv = self.model.new_kv(len(seq.prompt_ids) + 64)
                 prefilling.append(seq)
             segments.append(tree_segment(seq, tree))
-        logits = self.model.forward(segments)
+        logits = [rows.cpu() for rows in self.model.forward(segments)]  # acceptance runs here
         elapsed_ms = (time.perf_counter() - started) * 1000
         for seq in prefilling:
             seq.prefill_ms = elapsed_ms

@@ -1,4 +1,4 @@
-"""Choosing the next token from target logits: greedy, or temperature / top-k / top-p sampling."""
+"""Sampling parameters and the target distribution they define (temperature, top-k, top-p)."""
 
 from __future__ import annotations
 
@@ -48,11 +48,3 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.softmax(scaled, dim=-1)
-
-
-def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Next token from logits [vocab]: argmax when greedy, else a draw from target_probs."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = target_probs(logits, params)
-    return int(torch.multinomial(probs, 1, generator=gen))

@@ -142,7 +142,9 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     )
     address = settings.advertise_address or f"{settings.host}:{server.port}"
     vid = settings.verifier_id or address
-    speculator = Speculator(settings, model.config.vocab_size, client_index=zlib.crc32(vid.encode()))
+    speculator = Speculator(
+        settings, model.config.vocab_size, client_index=zlib.crc32(vid.encode())
+    )
     engine = Engine(
         ModelRunner(FlatModel(model)),
         speculator,

@@ -20,6 +20,7 @@ from ..common.settings import VerifierSettings
 from ..common.tree import DraftTree, from_proto
 from ..drafter.proposers import NgramProposer, TreeShape
 from ..v1 import drafter_pb2, drafter_pb2_grpc
+from . import metrics
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -100,13 +101,13 @@ class CircuitBreaker:
     """Closed until `failures` consecutive failures; then open for `cooldown` seconds, after
     which one trial is allowed (half-open): success closes it, failure opens it again."""
 
-    def __init__(self, failures: int, cooldown: float):
-        self.threshold, self.cooldown = failures, cooldown
+    def __init__(self, failures: int, cooldown: float, clock=time.monotonic):
+        self.threshold, self.cooldown, self.clock = failures, cooldown, clock
         self.failures = 0
         self.opened_at: float | None = None
 
     def allow(self) -> bool:
-        return self.opened_at is None or time.monotonic() - self.opened_at >= self.cooldown
+        return self.opened_at is None or self.clock() - self.opened_at >= self.cooldown
 
     def success(self) -> None:
         self.failures, self.opened_at = 0, None
@@ -116,7 +117,7 @@ class CircuitBreaker:
         if self.failures >= self.threshold:
             if self.opened_at is None:
                 log.warning("drafter breaker open", extra={"failures": self.failures})
-            self.opened_at = time.monotonic()
+            self.opened_at = self.clock()
 
 
 @dataclass
@@ -150,9 +151,7 @@ class Speculator:
         if not (self.enabled and seq.speculate):
             return 0
         size = self.tree_size if seq.tree_size is None else min(seq.tree_size, 256)
-        room = min(
-            seq.max_tokens - len(seq.output_ids), self.max_seq_len - len(seq.all_ids)
-        )
+        room = min(seq.max_tokens - len(seq.output_ids), self.max_seq_len - len(seq.all_ids))
         return max(0, min(size, room - 1))
 
     def propose(self, seqs: list[Sequence]) -> list[DraftTree]:
@@ -171,6 +170,7 @@ class Speculator:
         if trees is None:
             for seq, budget in zip(seqs, budgets, strict=True):
                 seq.fallback_steps += budget > 0
+                metrics.FALLBACK_STEPS.inc(budget > 0)
             trees = [self._fallback(seq, b) for seq, b in zip(seqs, budgets, strict=True)]
         for seq, tree in zip(seqs, trees, strict=True):
             seq.drafted += len(tree)

@@ -1,0 +1,29 @@
+"""The verifier's Prometheus metrics (served when `metrics_port` is set)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10)
+
+STEPS = Counter("specserve_verifier_steps_total", "Decode steps (one forward pass each).")
+VERIFY_SECONDS = Histogram(
+    "specserve_verifier_verify_seconds", "Target forward pass of one step.", buckets=_STEP_BUCKETS
+)
+DRAFT_SECONDS = Histogram(
+    "specserve_verifier_draft_seconds",
+    "Time a step waited for its draft trees (drafter round trip or fallback).",
+    buckets=_STEP_BUCKETS,
+)
+ACCEPTED_LENGTH = Histogram(
+    "specserve_verifier_accepted_length",
+    "Tokens emitted per sequence per step (accepted drafts + 1).",
+    buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64),
+)
+DRAFTED_TOKENS = Counter("specserve_verifier_drafted_tokens_total", "Draft nodes verified.")
+ACCEPTED_TOKENS = Counter("specserve_verifier_accepted_tokens_total", "Draft tokens accepted.")
+FALLBACK_STEPS = Counter(
+    "specserve_verifier_fallback_steps_total",
+    "Sequence steps drafted by the fallback because the drafter failed or was late.",
+)
+GENERATED_TOKENS = Counter("specserve_verifier_generated_tokens_total", "Tokens emitted.")
