@@ -37,6 +37,7 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     port: int = 0
+    metrics_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -102,17 +103,15 @@ class LocalCluster:
         common = self.config.setdefault("common", {})
         common["redis_url"] = self.redis_url
         self.config_path.write_text(yaml.safe_dump(self.config))
-        # Fixed ports where another service must know the address before it is ready.
-        ports = {"gateway": gateway_port, "drafter": free_port()}
         for name in services:
             env = {}
             if name == "gateway":
                 env["SPECSERVE_GATEWAY_SCHEDULER_ADDRESS"] = self.procs["scheduler"].address
             if name == "verifier" and "drafter" in services:
                 if not self.config.get("verifier", {}).get("drafter_addresses"):
-                    drafter = f"127.0.0.1:{ports['drafter']}"
+                    drafter = self.procs["drafter"].address
                     env["SPECSERVE_VERIFIER_DRAFTER_ADDRESSES"] = f'["{drafter}"]'
-            self.start_service(name, env, port=ports.get(name, 0))
+            self.start_service(name, env, port=gateway_port if name == "gateway" else 0)
         for name in services:
             self.wait_ready(name, timeout)
         return self
@@ -145,17 +144,18 @@ class LocalCluster:
             start_new_session=True,
         )
         self.procs[key] = Proc(key, popen, log_path)
-        if name == "scheduler":  # the gateway needs its port before it starts
-            self.wait_ready(key, 120)
+        if name in ("scheduler", "drafter"):  # gateway and verifier need their addresses
+            self.wait_ready(key, 600)
         return self.procs[key]
 
     def wait_ready(self, key: str, timeout: float) -> Proc:
         proc = self.procs[key]
         deadline = time.monotonic() + timeout
-        pattern = re.compile(r"SPECSERVE_READY \w+ (\d+)")
+        pattern = re.compile(r"SPECSERVE_READY \w+ (\d+)(?: metrics (\d+))?")
         while time.monotonic() < deadline:
             if m := pattern.search(proc.log_text()):
                 proc.port = int(m.group(1))
+                proc.metrics_port = int(m.group(2)) if m.group(2) else None
                 return proc
             if proc.popen.poll() is not None:
                 tail = "\n".join(proc.log_text().splitlines()[-15:])

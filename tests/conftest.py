@@ -18,6 +18,7 @@ from specserve.local_cluster import LocalCluster  # noqa: E402
 from specserve.v1 import generation_pb2_grpc  # noqa: E402
 
 TARGET = ModelRef()  # the default target model
+NOISE = 2.0
 
 
 def default_target_dir() -> Path:
@@ -34,8 +35,9 @@ def tokenizer():
     return models.load_tokenizer(default_target_dir())
 
 
-def save_tiny_qwen(path: Path, tokenizer, seed: int) -> Path:
-    """A 2-layer random Qwen2 with the default target's tokenizer, saved in float32."""
+def save_tiny_qwen(path: Path, tokenizer, noise: float = 0.0) -> Path:
+    """A 2-layer random Qwen2 with the default target's tokenizer, saved in float32; with
+    noise, every weight of that same model is perturbed by noise * its tensor's std."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
@@ -50,8 +52,11 @@ def save_tiny_qwen(path: Path, tokenizer, seed: int) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
     )
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(noise * param.std() * torch.randn_like(param))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -60,13 +65,13 @@ def save_tiny_qwen(path: Path, tokenizer, seed: int) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     """The tiny target."""
-    return save_tiny_qwen(tmp_path_factory.mktemp("tiny-model"), tokenizer, seed=0)
+    return save_tiny_qwen(tmp_path_factory.mktemp("tiny-model"), tokenizer)
 
 
 @pytest.fixture(scope="session")
 def tiny_draft_dir(tmp_path_factory, tokenizer) -> Path:
-    """A tiny draft that disagrees with the tiny target often (other random weights)."""
-    return save_tiny_qwen(tmp_path_factory.mktemp("tiny-draft"), tokenizer, seed=1)
+    """A tiny draft that agrees with the tiny target only part of the time."""
+    return save_tiny_qwen(tmp_path_factory.mktemp("tiny-draft"), tokenizer, noise=NOISE)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import cluster_config
 from helpers import generate, request
-from specserve.local_cluster import LocalCluster, free_port
+from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
@@ -60,13 +60,12 @@ def stub_of():
 def test_concurrent_greedy_requests_equal_the_targets_output(
     tmp_path, stub_of, tiny_model_dir, tiny_model, tokenizer, proposer, shape
 ):
-    ports = {"verifier": free_port(), "drafter": free_port()}
     cluster = start(
         tmp_path,
         tiny_model_dir,
         tiny_model_dir,
-        drafter={"proposer": proposer, "metrics_port": ports["drafter"], **shape},
-        verifier={"metrics_port": ports["verifier"]},
+        drafter={"proposer": proposer, "metrics_port": 0, **shape},
+        verifier={"metrics_port": 0},
     )
     try:
         stub = stub_of(cluster)
@@ -84,6 +83,14 @@ def test_concurrent_greedy_requests_equal_the_targets_output(
         accepted = sum(r.final.speculation.accepted_tokens for r in results)
         if proposer == "draft_model":  # the draft is the target itself: most drafts hold
             assert min(drafted) > 0 and accepted > 0.5 * sum(len(r.ids) for r in results)
+
+        verifier = scrape(cluster.procs["verifier"].metrics_port)
+        assert verifier["specserve_verifier_drafted_tokens_total"] == sum(drafted)
+        assert verifier["specserve_verifier_accepted_tokens_total"] == accepted
+        assert verifier["specserve_verifier_accepted_length_count"] > 0
+        assert verifier["specserve_verifier_verify_seconds_count"] > 0
+        drafter = scrape(cluster.procs["drafter"].metrics_port)
+        assert drafter["specserve_drafter_propose_seconds_count"] > 0
         off = generate(
             stub,
             request(
@@ -102,13 +109,6 @@ def test_concurrent_greedy_requests_equal_the_targets_output(
             for _ in range(2)
         ]
         assert seeded[0] == seeded[1]
-
-        verifier = scrape(ports["verifier"])
-        assert verifier["specserve_verifier_drafted_tokens_total"] == sum(drafted)
-        assert verifier["specserve_verifier_accepted_tokens_total"] == accepted
-        assert verifier["specserve_verifier_accepted_length_count"] > 0
-        assert verifier["specserve_verifier_verify_seconds_count"] > 0
-        assert scrape(ports["drafter"])["specserve_drafter_propose_seconds_count"] > 0
     finally:
         cluster.stop()
 

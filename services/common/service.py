@@ -17,8 +17,10 @@ log = logging.getLogger(__name__)
 def run_service(name: str, config_path: str | None, port: int | None = None) -> int:
     settings = SETTINGS_BY_SERVICE[name].load(config_path, port=port)
     telemetry.setup(name, settings.log_level, settings.otlp_endpoint)
+    metrics = ""
     if settings.metrics_port is not None:
-        prometheus_client.start_http_server(settings.metrics_port, addr=settings.host)
+        http, _ = prometheus_client.start_http_server(settings.metrics_port, addr=settings.host)
+        metrics = f" metrics {http.server_port}"
     module = importlib.import_module(f"specserve.{name}.server")
     try:
         server, on_stop = module.build(settings)
@@ -26,7 +28,7 @@ def run_service(name: str, config_path: str | None, port: int | None = None) -> 
         log.exception("%s failed to start", name)
         print(f"{name} failed to start: {e}", file=sys.stderr)
         return 1
-    # The bound port, on a line of its own, for whoever started us with port 0.
-    print(f"SPECSERVE_READY {name} {server.port}", flush=True)
+    # The bound ports, on a line of their own, for whoever started us with port 0.
+    print(f"SPECSERVE_READY {name} {server.port}{metrics}", flush=True)
     server.run_until_signal(settings.drain_seconds, on_stop)
     return 0
