@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,11 +271,26 @@ def torch_dtype(name: str):
 
 
 def load_model(path: Path, device: str, dtype: str):
-    """Loads a causal LM for inference (eval mode, no grad bookkeeping)."""
+    """Loads a causal LM for inference (eval mode, no grad bookkeeping).
+
+    dtype "int8" (CPU only): float32 weights, then every linear layer quantised to int8 per
+    output channel with dynamic activation quantisation. About 3x faster than bfloat16 on a
+    CPU and slightly less accurate: meant for draft models, whose outputs only propose."""
+    import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
-    return model.to(device).eval()
+    load_dtype = "float32" if dtype == "int8" else dtype
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(load_dtype))
+    model = model.to(device).eval()
+    if dtype == "int8":
+        if device != "cpu":
+            raise ModelError("dtype int8 (dynamic quantisation) runs on the CPU only")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the eager quantisation API warns of its future
+            from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+            model = quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig})
+    return model
 
 
 def load_tokenizer(path: Path):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Self
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -82,7 +82,7 @@ class ServiceSettings(BaseSettings):
             return cls(**data)
         except ValidationError as e:
             problems = "; ".join(
-                f"{cls.section}.{'.'.join(str(p) for p in err['loc']) or '?'}: {err['msg']}"
+                f"{'.'.join([cls.section, *map(str, err['loc'])])}: {err['msg']}"
                 for err in e.errors()
             )
             raise ConfigError(f"invalid configuration in {where}: {problems}") from None
@@ -157,7 +157,9 @@ class DrafterSettings(ServiceSettings):
     draft_model: ModelRef = ModelRef(name="qwen2.5-coder-0.5b-instruct", version="0.9.0")
     draft_model_path: str | None = Field(default=None, description="Overrides draft_model.")
     device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
+        default="float32", description="int8: quantised linear layers, CPU only, fastest there."
+    )
     torch_threads: int = Field(default=0, ge=0)
     max_depth: int = Field(default=6, ge=1, le=64, description="Draft tree levels.")
     branching: int = Field(default=2, ge=1, le=16, description="Children per expanded node.")
@@ -173,6 +175,14 @@ class DrafterSettings(ServiceSettings):
     )
     ngram_min: int = Field(default=2, ge=1, description="Shortest suffix the n-gram matches.")
     ngram_max: int = Field(default=4, ge=1, description="Longest suffix the n-gram matches.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.dtype == "int8" and self.device != "cpu":
+            raise ValueError("dtype int8 (dynamic quantisation) needs device cpu")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must not exceed ngram_max")
+        return self
 
 
 SETTINGS_BY_SERVICE: dict[str, type[ServiceSettings]] = {
