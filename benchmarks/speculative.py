@@ -6,7 +6,9 @@ Three prompt kinds (code generation, prose, code editing with the code in the pr
 batch 1. Through the cluster (scheduler, verifier, gateway; the drafter restarted with each
 proposer setting): plain decoding, draft-model chains and trees, n-gram. In-process Hugging
 Face `generate` on the same models and dtype: plain, `assistant_model`, and
-`prompt_lookup_num_tokens=10`.
+`prompt_lookup_num_tokens=10`. Drafter rows marked int8 quantise the draft model's linear
+layers (CPU only); the target is always in --dtype. A drafter's max_depth with
+min_path_prob 0.2 (the default) makes "chain <=16" a chain that stops where the draft is unsure.
 
 Decode tokens/s = tokens after the first step / time from the first step to the last, taken at
 the client for the cluster; for Hugging Face, (n - 1) / (time of n tokens - time of 1 token).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import tempfile
 import time
@@ -34,14 +37,16 @@ from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from .prompts import PROMPTS
 
 # name -> (drafter settings, tree size per step); None: speculation off
+CHAIN = {"branching": 1, "width": 1}
+INT8 = {"dtype": "int8"}
 CONFIGS: dict[str, tuple[dict | None, int]] = {
     "plain": (None, 0),
-    "draft chain 4": ({"branching": 1, "width": 1, "max_depth": 4}, 4),
-    "draft chain 8": ({"branching": 1, "width": 1, "max_depth": 8}, 8),
-    "draft tree 8": ({"branching": 2, "width": 2, "max_depth": 5}, 8),
-    "draft tree 16": ({"branching": 2, "width": 4, "max_depth": 6}, 16),
+    "draft bf16 chain 4": ({**CHAIN, "max_depth": 4}, 4),
+    "draft int8 chain 6": ({**INT8, **CHAIN, "max_depth": 6}, 6),
+    "draft int8 chain <=16": ({**INT8, **CHAIN, "max_depth": 16}, 16),
+    "draft int8 tree 12": ({**INT8, "branching": 2, "width": 3, "max_depth": 6}, 12),
     "ngram 16": ({"proposer": "ngram", "max_depth": 16}, 16),
-    "ngram 32": ({"proposer": "ngram", "max_depth": 32}, 32),
+    "hybrid int8 16": ({**INT8, **CHAIN, "proposer": "hybrid", "max_depth": 16}, 16),
 }
 
 
@@ -215,7 +220,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "command": f"python -m benchmarks.speculative --tokens {args.tokens} --dtype {args.dtype}",
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads",
         "dtype": args.dtype,
         "max_tokens": args.tokens,
         "results": {

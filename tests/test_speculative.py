@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from specserve.common.flat_model import FlatModel
-from specserve.drafter.proposers import DraftJob, DraftModelProposer, NgramProposer, TreeShape
+from specserve.drafter.proposers import (
+    DraftJob,
+    DraftModelProposer,
+    HybridProposer,
+    NgramProposer,
+    TreeShape,
+)
 from specserve.verifier.acceptance import accept
 from specserve.verifier.reference import hf_greedy
 from specserve.verifier.runner import ModelRunner
@@ -79,6 +85,9 @@ PROPOSERS = {
     "draft-same": lambda target, draft, shape: draft_model_proposer(target, shape),
     "draft-other": lambda target, draft, shape: draft_model_proposer(draft, shape),
     "ngram": lambda target, draft, shape: NgramProposer(shape),
+    "hybrid": lambda target, draft, shape: HybridProposer(
+        NgramProposer(shape), draft_model_proposer(draft, shape), trust_ngram=2
+    ),
 }
 SHAPES = {
     "chain": TreeShape(max_depth=64, branching=1, width=1),

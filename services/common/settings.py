@@ -153,7 +153,7 @@ class DrafterSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_DRAFTER_", extra="forbid")
 
     port: int = Field(default=50054, ge=0, le=65535)
-    proposer: Literal["draft_model", "ngram"] = "draft_model"
+    proposer: Literal["draft_model", "ngram", "hybrid"] = "draft_model"
     draft_model: ModelRef = ModelRef(name="qwen2.5-coder-0.5b-instruct", version="0.9.0")
     draft_model_path: str | None = Field(default=None, description="Overrides draft_model.")
     device: Literal["cpu", "cuda"] = "cpu"
@@ -175,6 +175,9 @@ class DrafterSettings(ServiceSettings):
     )
     ngram_min: int = Field(default=2, ge=1, description="Shortest suffix the n-gram matches.")
     ngram_max: int = Field(default=4, ge=1, description="Longest suffix the n-gram matches.")
+    trust_ngram: int = Field(
+        default=3, ge=1, description="hybrid: suffix match length from which n-gram drafts win."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -1,6 +1,6 @@
 """Proposers: given sequences' token histories, guess token trees for the verifier to check.
 
-Two kinds, chosen by name from PROPOSERS:
+Chosen by name from PROPOSERS:
 - `ngram`: prompt lookup. Matches the latest tokens against the history and proposes what
   followed; several matches merge into a tree. Free drafts; deterministic.
 - `draft_model`: a small causal LM grows a tree best-first by cumulative draft probability,
@@ -8,6 +8,7 @@ Two kinds, chosen by name from PROPOSERS:
   requests expand each node by its top-k tokens; sampling requests draw each node's children
   without replacement (Gumbel-top-k) from a truncated draft distribution q that is sent with
   the tree, which keeps the verifier's rejection sampling exact. A chain is branching=1.
+- `hybrid`: n-gram where the history repeats itself, the draft model elsewhere.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -84,16 +85,20 @@ class NgramProposer(Proposer):
         """Nothing to free: the proposer keeps no state."""
 
     def propose_one(self, tokens: list[int], budget: int) -> DraftTree:
+        return self.lookup(tokens, budget)[0]
+
+    def lookup(self, tokens: list[int], budget: int) -> tuple[DraftTree, int]:
+        """The tree from the longest suffix that occurred before, and that suffix's length."""
         tree = DraftTree()
         depth = self.shape.max_depth
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             for start in self._matches(tokens, n):
                 self._insert(tree, tokens[start + n : start + n + depth], budget)
                 if len(tree) >= budget:
-                    return tree
+                    return tree, n
             if len(tree):
-                return tree
-        return tree
+                return tree, n
+        return tree, 0
 
     def _matches(self, tokens: list[int], n: int):
         """Starts of earlier occurrences of the last n tokens, most recent first."""
@@ -261,6 +266,42 @@ class DraftModelProposer(Proposer):
         return top.indices.cpu(), torch.softmax(top.values, dim=-1).cpu()
 
 
+class HybridProposer(Proposer):
+    """N-gram drafts where the history predicts itself (a suffix of at least `trust_ngram`
+    tokens occurred before: copying code or quotes), the draft model everywhere else. Steps
+    that copy cost no draft forward pass at all."""
+
+    name = "hybrid"
+
+    def __init__(self, ngram: NgramProposer, draft: DraftModelProposer, trust_ngram: int = 3):
+        self.ngram, self.draft, self.trust_ngram = ngram, draft, trust_ngram
+
+    @classmethod
+    def from_settings(cls, settings: DrafterSettings) -> HybridProposer:
+        return cls(
+            NgramProposer.from_settings(settings),
+            DraftModelProposer.from_settings(settings),
+            settings.trust_ngram,
+        )
+
+    def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        looked_up = [self.ngram.lookup(job.tokens, job.budget) for job in jobs]
+        copying = [len(tree) > 0 and n >= self.trust_ngram for tree, n in looked_up]
+        drafted = self.draft.propose(
+            [
+                replace(job, budget=0) if copy else job
+                for job, copy in zip(jobs, copying, strict=True)
+            ]
+        )
+        return [
+            lookup[0] if copy else tree
+            for lookup, copy, tree in zip(looked_up, copying, drafted, strict=True)
+        ]
+
+    def forget(self, seq_id: str) -> None:
+        self.draft.forget(seq_id)
+
+
 def _gumbel_top_k(probs: torch.Tensor, k: int, generator) -> list[int]:
     """Indices of k draws without replacement from probs, in draw order (Gumbel-top-k)."""
     u = torch.rand(probs.shape, generator=generator).clamp_(1e-20, 1.0)
@@ -278,4 +319,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-PROPOSERS: dict[str, type[Proposer]] = {p.name: p for p in (NgramProposer, DraftModelProposer)}
+PROPOSERS: dict[str, type[Proposer]] = {
+    p.name: p for p in (NgramProposer, DraftModelProposer, HybridProposer)
+}
