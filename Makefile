@@ -42,8 +42,8 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
+	$(PY) -m benchmarks.speculative --tokens 128 --dtype bfloat16
 	$(PY) -m benchmarks.plain_decode --dtype bfloat16
-	$(PY) -m benchmarks.plain_decode --dtype float32
 
 lint: install proto
 	$(VENV)/bin/ruff check services tests benchmarks

@@ -45,8 +45,11 @@ CONFIGS: dict[str, tuple[dict | None, int]] = {
     "draft int8 chain 6": ({**INT8, **CHAIN, "max_depth": 6}, 6),
     "draft int8 chain <=16": ({**INT8, **CHAIN, "max_depth": 16}, 16),
     "draft int8 tree 12": ({**INT8, "branching": 2, "width": 3, "max_depth": 6}, 12),
-    "ngram 16": ({"proposer": "ngram", "max_depth": 16}, 16),
-    "hybrid int8 16": ({**INT8, **CHAIN, "proposer": "hybrid", "max_depth": 16}, 16),
+    "ngram 10": ({"proposer": "ngram", "ngram_depth": 10}, 10),
+    "hybrid int8 chain 6 + ngram 10": (
+        {**INT8, **CHAIN, "proposer": "hybrid", "max_depth": 6, "ngram_depth": 10},
+        10,
+    ),
 }
 
 
@@ -104,6 +107,8 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)
                 for name, (drafter, tree_size) in CONFIGS.items():
+                    if args.only and name != "plain" and not any(o in name for o in args.only):
+                        continue
                     if drafter is not None:
                         cluster.config["drafter"] = {**config["drafter"], **drafter}
                         cluster.config_path.write_text(yaml.safe_dump(cluster.config))
@@ -211,6 +216,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--skip-hf", action="store_true", help="only the cluster rows")
+    p.add_argument(
+        "--only", nargs="*", default=[], help="cluster rows whose name contains one of these"
+    )
     args = p.parse_args()
     results = run_cluster(args)
     if not args.skip_hf:

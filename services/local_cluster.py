@@ -103,17 +103,21 @@ class LocalCluster:
         common = self.config.setdefault("common", {})
         common["redis_url"] = self.redis_url
         self.config_path.write_text(yaml.safe_dump(self.config))
-        for name in services:
-            env = {}
-            if name == "gateway":
-                env["SPECSERVE_GATEWAY_SCHEDULER_ADDRESS"] = self.procs["scheduler"].address
-            if name == "verifier" and "drafter" in services:
-                if not self.config.get("verifier", {}).get("drafter_addresses"):
-                    drafter = self.procs["drafter"].address
-                    env["SPECSERVE_VERIFIER_DRAFTER_ADDRESSES"] = f'["{drafter}"]'
-            self.start_service(name, env, port=gateway_port if name == "gateway" else 0)
-        for name in services:
-            self.wait_ready(name, timeout)
+        try:
+            for name in services:
+                env = {}
+                if name == "gateway":
+                    env["SPECSERVE_GATEWAY_SCHEDULER_ADDRESS"] = self.procs["scheduler"].address
+                if name == "verifier" and "drafter" in services:
+                    if not self.config.get("verifier", {}).get("drafter_addresses"):
+                        drafter = self.procs["drafter"].address
+                        env["SPECSERVE_VERIFIER_DRAFTER_ADDRESSES"] = f'["{drafter}"]'
+                self.start_service(name, env, port=gateway_port if name == "gateway" else 0)
+            for name in services:
+                self.wait_ready(name, timeout)
+        except BaseException:  # a half-started cluster leaves nothing running behind
+            self.stop()
+            raise
         return self
 
     def start_service(

@@ -153,7 +153,7 @@ def test_ngram_proposes_what_followed_the_last_match():
     history = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
     tree = prop.propose_one(history, budget=16)
     paths = {tuple(tree.path(n)) for n in range(len(tree)) if n not in tree.children()}
-    assert paths == {(7, 8, 1, 2), (4, 5, 9, 1)}  # both earlier matches, most recent first
+    assert paths == {(7, 8, 1, 2), (4, 5, 9, 1)}  # what followed both earlier matches
     assert len(prop.propose_one(history, budget=3)) == 3
     assert len(prop.propose_one([1, 2, 3, 4], budget=8)) == 0
 

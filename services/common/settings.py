@@ -161,7 +161,9 @@ class DrafterSettings(ServiceSettings):
         default="float32", description="int8: quantised linear layers, CPU only, fastest there."
     )
     torch_threads: int = Field(default=0, ge=0)
-    max_depth: int = Field(default=6, ge=1, le=64, description="Draft tree levels.")
+    max_depth: int = Field(
+        default=6, ge=1, le=64, description="Draft model tree levels (one forward pass each)."
+    )
     branching: int = Field(default=2, ge=1, le=16, description="Children per expanded node.")
     width: int = Field(default=4, ge=1, le=64, description="Nodes expanded per level.")
     min_path_prob: float = Field(
@@ -173,8 +175,11 @@ class DrafterSettings(ServiceSettings):
     sample_support: int = Field(
         default=32, ge=1, description="Tokens kept in the draft distribution of sampled trees."
     )
-    ngram_min: int = Field(default=2, ge=1, description="Shortest suffix the n-gram matches.")
+    ngram_min: int = Field(default=1, ge=1, description="Shortest suffix the n-gram matches.")
     ngram_max: int = Field(default=4, ge=1, description="Longest suffix the n-gram matches.")
+    ngram_depth: int = Field(
+        default=10, ge=1, le=256, description="Longest continuation an n-gram match proposes."
+    )
     trust_ngram: int = Field(
         default=3, ge=1, description="hybrid: suffix match length from which n-gram drafts win."
     )

@@ -76,6 +76,8 @@ class DraftTree:
                 raise ValueError(f"draft distribution of node {node} is malformed")
             if any(not 0 <= t < vocab_size for t in ids):
                 raise ValueError(f"draft distribution of node {node} has tokens out of vocab")
+            if not all(0.0 <= q <= 1.0 for q in probs):  # also false for NaN
+                raise ValueError(f"draft distribution of node {node} has invalid probabilities")
 
 
 def to_proto(tree: DraftTree, msg) -> None:

@@ -2,7 +2,7 @@
 
 Chosen by name from PROPOSERS:
 - `ngram`: prompt lookup. Matches the latest tokens against the history and proposes what
-  followed; several matches merge into a tree. Free drafts; deterministic.
+  followed its earliest occurrences; several matches merge into a tree. Free, deterministic.
 - `draft_model`: a small causal LM grows a tree best-first by cumulative draft probability,
   one batched forward pass per tree level (EAGLE-2's dynamic tree, Li et al. 2024). Greedy
   requests expand each node by its top-k tokens; sampling requests draw each node's children
@@ -70,13 +70,14 @@ class Proposer(ABC):
 class NgramProposer(Proposer):
     name = "ngram"
 
-    def __init__(self, shape: TreeShape, min_ngram: int = 2, max_ngram: int = 4, matches=4):
+    def __init__(self, shape: TreeShape, min_ngram: int = 1, max_ngram: int = 4, matches=4):
         self.shape = shape
         self.min_ngram, self.max_ngram, self.matches = min_ngram, max_ngram, matches
 
     @classmethod
     def from_settings(cls, settings: DrafterSettings) -> NgramProposer:
-        return cls(shape_of(settings), settings.ngram_min, settings.ngram_max)
+        shape = TreeShape(max_depth=settings.ngram_depth)
+        return cls(shape, settings.ngram_min, settings.ngram_max)
 
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         return [self.propose_one(job.tokens, job.budget) for job in jobs]
@@ -101,13 +102,14 @@ class NgramProposer(Proposer):
         return tree, 0
 
     def _matches(self, tokens: list[int], n: int):
-        """Starts of earlier occurrences of the last n tokens, most recent first."""
+        """Starts of earlier occurrences of the last n tokens, earliest first: text being
+        edited or quoted usually sits in the prompt, before the output that copies it."""
         key = tokens[-n:]
-        last = key[-1]
+        first = key[0]
         found = 0
-        for end in range(len(tokens) - 2, n - 2, -1):
-            if tokens[end] == last and tokens[end - n + 1 : end + 1] == key:
-                yield end - n + 1
+        for start in range(len(tokens) - n):
+            if tokens[start] == first and tokens[start : start + n] == key:
+                yield start
                 found += 1
                 if found >= self.matches:
                     return
