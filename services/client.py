@@ -42,10 +42,15 @@ def generate_to_terminal(args: argparse.Namespace) -> int:
                     f = chunk.final
                     tokens = f.usage.completion_tokens
                     rate = tokens / (f.timings.decode_ms / 1000) if f.timings.decode_ms else 0.0
+                    spec = f.speculation
                     print(
                         f"\n\n[{common_pb2.FinishReason.Name(f.finish_reason)}; "
                         f"{f.usage.prompt_tokens} prompt + {tokens} completion tokens; "
-                        f"TTFT {f.timings.ttft_ms:.0f} ms; {rate:.2f} tokens/s]",
+                        f"TTFT {f.timings.ttft_ms:.0f} ms; {rate:.2f} tokens/s; "
+                        f"{spec.steps} steps, {spec.mean_accepted_length:.2f} tokens/step, "
+                        f"{spec.accepted_tokens}/{spec.drafted_tokens} drafts accepted"
+                        + (f", {spec.fallback_steps} fallback steps" if spec.fallback_steps else "")
+                        + "]",
                         file=sys.stderr,
                     )
         except grpc.RpcError as e:

@@ -20,7 +20,7 @@ def test_default_pair_greedy_matches_hf_with_speculation_on_and_off(tmp_path, to
     config = cluster_config(
         None,
         verifier={"batch_size": 2, "torch_threads": 0, "speculative_decoding": True},
-        drafter={"max_depth": 4},
+        drafter={"max_depth": 4, "dtype": "int8"},
     )
     cluster = LocalCluster(config, tmp_path)
     try:
