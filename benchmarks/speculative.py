@@ -33,6 +33,7 @@ from specserve.common import models
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
 from specserve.local_cluster import LocalCluster, free_port
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from specserve.verifier.reference import hf_greedy
 
 from .prompts import PROMPTS
 
@@ -150,7 +151,7 @@ def run_hf(args) -> dict[str, dict[str, dict]]:
             text = tok.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
             )
-            ids = torch.tensor([tok(text).input_ids])
+            ids = tok(text).input_ids
 
             first_s, _ = hf_generate(target, ids, 1, tok.eos_token_id, extra)
             total_s, new = hf_generate(target, ids, args.tokens, tok.eos_token_id, extra)
@@ -163,19 +164,11 @@ def run_hf(args) -> dict[str, dict[str, dict]]:
     return results
 
 
-def hf_generate(model, ids, n: int, pad: int, extra: dict) -> tuple[float, list[int]]:
+def hf_generate(model, ids: list[int], n: int, pad: int, extra: dict) -> tuple[float, list[int]]:
     """Seconds for a greedy `generate` of n new tokens, and the new tokens."""
     started = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            pad_token_id=pad,
-            **extra,
-        )
-    return time.perf_counter() - started, out[0, ids.shape[1] :].tolist()
+    new = hf_greedy(model, ids, n, pad_token_id=pad, **extra)
+    return time.perf_counter() - started, new
 
 
 def summarise(results: dict[str, dict[str, dict]]) -> None:

@@ -36,3 +36,24 @@ def request(prompt_ids=None, prompt=None, max_tokens=16, **kw) -> generation_pb2
 
 def generate(stub, req, timeout: float = 120) -> Result:
     return Result(list(stub.Generate(req, timeout=timeout)))
+
+
+def make_sequence(
+    prompt: list[int], output: list[int] | None = None, max_tokens: int = 100, rid: str = "r"
+):
+    """A verifier Sequence for tests that drive the model pieces directly (greedy)."""
+    from specserve.verifier.sampling import SamplingParams
+    from specserve.verifier.sequence import Sequence
+
+    return Sequence(
+        request_id=rid,
+        prompt_ids=list(prompt),
+        max_tokens=max_tokens,
+        params=SamplingParams(),
+        stop=[],
+        queue="interactive",
+        entry_id="0-0",
+        created_ms=0,
+        admitted_ms=0,
+        output_ids=list(output or []),
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import make_sequence
 from specserve.common.flat_model import FlatModel
 from specserve.drafter.proposers import (
     DraftJob,
@@ -18,7 +19,6 @@ from specserve.verifier.acceptance import accept
 from specserve.verifier.reference import hf_greedy
 from specserve.verifier.runner import ModelRunner
 from specserve.verifier.sampling import SamplingParams
-from specserve.verifier.sequence import Sequence
 
 PROMPTS = [
     [9707, 11, 1879, 0, 9707, 11, 1879, 0, 9707],
@@ -32,24 +32,10 @@ PROMPTS = [
 ]
 
 
-def new_seq(i: int, prompt: list[int], max_tokens: int) -> Sequence:
-    return Sequence(
-        request_id=f"r{i}",
-        prompt_ids=list(prompt),
-        max_tokens=max_tokens,
-        params=SamplingParams(),
-        stop=[],
-        queue="interactive",
-        entry_id="0-0",
-        created_ms=0,
-        admitted_ms=0,
-    )
-
-
 def speculative_greedy(target, proposer, prompts, max_tokens: int, budget: int, eos: int):
     """The verifier's step without the service around it: draft, verify, accept, commit."""
     runner = ModelRunner(FlatModel(target))
-    seqs = [new_seq(i, p, max_tokens) for i, p in enumerate(prompts)]
+    seqs = [make_sequence(p, max_tokens=max_tokens, rid=f"r{i}") for i, p in enumerate(prompts)]
 
     def finished(seq):
         return len(seq.output_ids) >= seq.max_tokens or seq.output_ids[-1] == eos
@@ -163,7 +149,7 @@ def test_sampling_with_speculation_keeps_seeded_requests_reproducible(tiny_model
         torch.manual_seed(0)
         prop = draft_model_proposer(tiny_draft, SHAPES["tree"])
         runner = ModelRunner(FlatModel(tiny_model))
-        seq = new_seq(0, PROMPTS[0], 30)
+        seq = make_sequence(PROMPTS[0], max_tokens=30)
         gen = torch.Generator().manual_seed(11)
         params = SamplingParams(temperature=1.0, seed=11)
         while len(seq.output_ids) < 30:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import make_sequence
 from specserve.common.flat_model import FlatModel, Segment
 from specserve.common.tree import DraftTree
 from specserve.verifier.runner import tree_segment
-from specserve.verifier.sampling import SamplingParams
-from specserve.verifier.sequence import Sequence
 
 
 def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
@@ -26,27 +25,12 @@ def random_tree(nodes: int, vocab: int, seed: int) -> DraftTree:
     return tree
 
 
-def make_seq(prompt: list[int], output: list[int] | None = None) -> Sequence:
-    return Sequence(
-        request_id="r",
-        prompt_ids=prompt,
-        max_tokens=100,
-        params=SamplingParams(),
-        stop=[],
-        queue="interactive",
-        entry_id="0-0",
-        created_ms=0,
-        admitted_ms=0,
-        output_ids=list(output or []),
-    )
-
-
 @pytest.mark.parametrize("nodes,seed", [(1, 0), (5, 1), (16, 2), (64, 3)])
 def test_every_tree_node_matches_a_plain_pass_over_its_path(tiny_model, nodes, seed):
     flat = FlatModel(tiny_model)
     vocab = tiny_model.config.vocab_size
     prompt = torch.randint(vocab, (23,), generator=torch.Generator().manual_seed(seed)).tolist()
-    seq = make_seq(prompt[:20], prompt[20:])
+    seq = make_sequence(prompt[:20], prompt[20:])
     seq.kv = flat.new_kv()
     flat.forward([Segment(seq.kv, prompt[:20])])  # the prompt is cached; 3 tokens pending
     tree = random_tree(nodes, vocab, seed)
@@ -61,7 +45,7 @@ def test_every_tree_node_matches_a_plain_pass_over_its_path(tiny_model, nodes, s
 def test_keeping_an_accepted_path_leaves_the_cache_of_that_path(tiny_model):
     flat = FlatModel(tiny_model)
     prompt = list(range(100, 130))
-    seq = make_seq(prompt)
+    seq = make_sequence(prompt)
     seq.kv = flat.new_kv(4)  # small, so the buffer has to grow
     tree = DraftTree()
     a = tree.add(7, -1)
