@@ -147,8 +147,11 @@ class Speculator:
         self._step = 0
 
     def budget(self, seq: Sequence) -> int:
-        """Tree nodes to ask for: none when off, and never more than could be emitted."""
-        if not (self.enabled and seq.speculate):
+        """Tree nodes to ask for: none when off, and never more than could be emitted.
+
+        None on the prompt's prefill step either: the first token then does not wait for the
+        drafter to prefill the prompt too (that happens with the second step)."""
+        if not (self.enabled and seq.speculate) or seq.num_computed == 0:
             return 0
         size = self.tree_size if seq.tree_size is None else min(seq.tree_size, 256)
         room = min(seq.max_tokens - len(seq.output_ids), self.max_seq_len - len(seq.all_ids))
