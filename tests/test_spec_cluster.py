@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import signal
+import threading
+import time
 import urllib.request
 
 import grpc
@@ -147,6 +150,40 @@ def test_killing_the_drafter_mid_stream_changes_nothing_the_client_sees(
             if res.final.speculation.drafted_tokens > 0:
                 break
             res = generate(stub, request(prompt_ids=ids, max_tokens=40))
+        assert res.final.speculation.drafted_tokens > 0
+    finally:
+        cluster.stop()
+
+
+def test_a_stalled_drafter_is_not_waited_for(
+    tmp_path, stub_of, tiny_model_dir, tiny_draft_dir, tiny_model, tokenizer
+):
+    cluster = start(
+        tmp_path,
+        tiny_model_dir,
+        tiny_draft_dir,
+        verifier={
+            "draft_timeout_seconds": 0.3,
+            "breaker_failures": 2,
+            "breaker_cooldown_seconds": 0.5,
+        },
+    )
+    try:
+        stub = stub_of(cluster)
+        ids = tokenizer(PROMPTS[1]).input_ids
+        drafter = cluster.procs["drafter"].popen
+        stream = stub.Generate(request(prompt_ids=ids, max_tokens=300), timeout=120)
+        chunks = [next(stream)]
+        drafter.send_signal(signal.SIGSTOP)  # alive, holding its stream, answering nothing
+        threading.Timer(1.5, drafter.send_signal, (signal.SIGCONT,)).start()
+        chunks.extend(stream)
+        got = [t for c in chunks for t in c.token_ids]
+        assert got == hf_greedy(tiny_model, ids, 300)
+        assert chunks[-1].final.speculation.fallback_steps > 0
+        # Back from the stall, its late answers are dropped and it drafts again.
+        time.sleep(2)
+        res = generate(stub, request(prompt_ids=ids, max_tokens=40))
+        assert res.ids == got[:40]
         assert res.final.speculation.drafted_tokens > 0
     finally:
         cluster.stop()

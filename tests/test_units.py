@@ -76,3 +76,32 @@ def test_circuit_breaker_opens_after_failures_and_retries_after_cooldown():
     now[0] += 5.0
     breaker.success()
     assert breaker.allow() and breaker.failures == 0
+
+
+def test_fallback_drafts_locally_when_no_drafter_answers():
+    from types import SimpleNamespace
+
+    from helpers import make_sequence
+    from specserve.common.settings import VerifierSettings
+    from specserve.verifier.speculator import Speculator
+
+    settings = VerifierSettings.load(
+        None,
+        speculative_decoding=True,
+        drafter_addresses=["127.0.0.1:1"],  # nothing listens there
+        fallback_mode="ngram",
+        verification_tree_size=4,
+        draft_timeout_seconds=2,
+        breaker_failures=1,
+        breaker_cooldown_seconds=60,
+    )
+    speculator = Speculator(settings, vocab_size=1000)
+    seq = make_sequence([5, 6, 7, 8, 5, 6], output=[7])
+    seq.kv = SimpleNamespace(length=6)  # past the prefill step: the prompt is cached
+    try:
+        (tree,) = speculator.propose([seq])
+    finally:
+        speculator.close()
+    assert tree.token_ids == [8, 5, 6, 7]  # what followed the earliest "6, 7"
+    assert seq.fallback_steps == 1
+    assert not speculator.breaker.allow()  # one failure opens it (breaker_failures=1)
