@@ -18,6 +18,8 @@ from specserve.local_cluster import LocalCluster  # noqa: E402
 from specserve.v1 import generation_pb2_grpc  # noqa: E402
 
 TARGET = ModelRef()  # the default target model
+# Where models run in the tests: `SPECSERVE_TEST_DEVICE=cuda make test` on a machine with a GPU.
+DEVICE = os.environ.get("SPECSERVE_TEST_DEVICE", "cpu")
 NOISE = 2.0
 
 
@@ -76,12 +78,12 @@ def tiny_draft_dir(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_draft(tiny_draft_dir):
-    return models.load_model(tiny_draft_dir, "cpu", "float32")
+    return models.load_model(tiny_draft_dir, DEVICE, "float32")
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    return models.load_model(tiny_model_dir, "cpu", "float32")
+    return models.load_model(tiny_model_dir, DEVICE, "float32")
 
 
 def cluster_config(model_dir: Path | None, **sections) -> dict:
@@ -90,9 +92,16 @@ def cluster_config(model_dir: Path | None, **sections) -> dict:
         "common": {"log_level": "INFO", "heartbeat_seconds": 0.5, "drain_seconds": 1},
         "gateway": {"model": model, "max_seq_len": 2048, "max_tokens_limit": 1024},
         "scheduler": {},
-        "verifier": {"model": model, "batch_size": 4, "max_seq_len": 2048, "torch_threads": 1},
+        "verifier": {
+            "model": model,
+            "device": DEVICE,
+            "batch_size": 4,
+            "max_seq_len": 2048,
+            "torch_threads": 1,
+        },
         # Random tiny models are never confident: let their trees grow anyway.
-        "drafter": {"draft_model_path": str(model_dir), "min_path_prob": 0} if model_dir else {},
+        "drafter": {"device": DEVICE}
+        | ({"draft_model_path": str(model_dir), "min_path_prob": 0} if model_dir else {}),
     }
     for name, values in sections.items():
         config[name].update(values)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from conftest import cluster_config, default_target_dir
+from conftest import DEVICE, cluster_config, default_target_dir
 from helpers import generate, request
 from specserve.common import models
 from specserve.local_cluster import LocalCluster
@@ -20,7 +20,7 @@ def test_default_pair_greedy_matches_hf_with_speculation_on_and_off(tmp_path, to
     config = cluster_config(
         None,
         verifier={"batch_size": 2, "torch_threads": 0, "speculative_decoding": True},
-        drafter={"max_depth": 4, "dtype": "int8"},
+        drafter={"max_depth": 4, "dtype": "int8" if DEVICE == "cpu" else "float32"},
     )
     cluster = LocalCluster(config, tmp_path)
     try:
@@ -41,7 +41,7 @@ def test_default_pair_greedy_matches_hf_with_speculation_on_and_off(tmp_path, to
         add_generation_prompt=True,
         tokenize=False,
     )
-    model = models.load_model(default_target_dir(), "cpu", "float32")
+    model = models.load_model(default_target_dir(), DEVICE, "float32")
     expected = hf_greedy(model, tokenizer(text).input_ids, 12)
     on, off = results[common_pb2.SPECULATION_MODE_AUTO], results[common_pb2.SPECULATION_MODE_OFF]
     assert on.ids == expected

@@ -13,7 +13,7 @@ from specserve.verifier.runner import tree_segment
 
 def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        return model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].float()
 
 
 def random_tree(nodes: int, vocab: int, seed: int) -> DraftTree:
