@@ -90,6 +90,7 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
     threads = args.threads
     config = {
         "verifier": {
+            "device": args.device,
             "dtype": args.dtype,
             "batch_size": 1,
             "torch_threads": threads,
@@ -98,7 +99,7 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
             "draft_timeout_seconds": 60,
             "breaker_cooldown_seconds": 0,
         },
-        "drafter": {"dtype": args.dtype, "torch_threads": threads},
+        "drafter": {"device": args.device, "dtype": args.dtype, "torch_threads": threads},
     }
     results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,6 +111,8 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
                 for name, (drafter, tree_size) in CONFIGS.items():
                     if args.only and name != "plain" and not any(o in name for o in args.only):
                         continue
+                    if args.device != "cpu" and (drafter or {}).get("dtype") == "int8":
+                        continue  # int8 drafts are CPU only
                     if drafter is not None:
                         cluster.config["drafter"] = {**config["drafter"], **drafter}
                         cluster.config_path.write_text(yaml.safe_dump(cluster.config))
@@ -137,8 +140,8 @@ def run_hf(args) -> dict[str, dict[str, dict]]:
     target_path, _ = models.resolve(ModelRef(), cache)
     draft_path, _ = models.resolve(DrafterSettings().draft_model, cache)
     tok = models.load_tokenizer(target_path)
-    target = models.load_model(target_path, "cpu", args.dtype)
-    draft = models.load_model(draft_path, "cpu", args.dtype)
+    target = models.load_model(target_path, args.device, args.dtype)
+    draft = models.load_model(draft_path, args.device, args.dtype)
     variants = {
         "hf plain": {},
         "hf assistant_model": {"assistant_model": draft},
@@ -207,6 +210,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--skip-hf", action="store_true", help="only the cluster rows")
     p.add_argument(
@@ -220,9 +224,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
-        "command": f"python -m benchmarks.speculative --tokens {args.tokens} --dtype {args.dtype}",
+        "command": f"python -m benchmarks.speculative --tokens {args.tokens} --dtype {args.dtype}"
+        f" --device {args.device}",
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads, "
+        f"device {args.device}",
         "dtype": args.dtype,
         "max_tokens": args.tokens,
         "results": {
