@@ -8,6 +8,7 @@ import time
 import uuid
 
 import grpc
+import redis
 from google.protobuf import json_format
 
 from ..common import models
@@ -70,6 +71,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{request.field}: is not valid UTF-8 (or the message is malformed)",
             )
+        if request.HasField("resume_from"):
+            yield from self._resume(request, context)
+            return
         try:
             submit = self._to_submit(request, context)
         except InvalidRequest as e:
@@ -85,6 +89,27 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             context.abort(
                 grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable; retry shortly"
             )
+        yield from self._stream_until_done(rid, list(submit.stop), context)
+
+    def _resume(self, request, context):
+        """Re-attach: the rest of an existing request's stream, from index resume_from."""
+        rid, start = request.request_id, request.resume_from
+        if not rid:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: needed with resume_from")
+        if start < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resume_from: must be >= 0")
+        try:
+            record = self.store.get(rid)
+        except redis.RedisError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "request state is unavailable; retry")
+        if record is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"request {rid!r} does not exist (or has expired)"
+            )
+        yield from self._stream_until_done(rid, list(record.spec.get("stop", [])), context, start)
+
+    def _stream_until_done(self, rid: str, stop: list[str], context, start: int = 0):
+        """Streams the output; a client that leaves before the end cancels the request."""
         finished = False
 
         def on_done() -> None:
@@ -92,7 +117,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 self._cancel_quietly(rid)
 
         context.add_callback(on_done)
-        yield from self._stream(rid, list(submit.stop), context)
+        yield from self._stream(rid, stop, context, start)
         finished = True
 
     def _to_submit(self, req, context) -> scheduler_pb2.SubmitRequest:
@@ -125,7 +150,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             deadline_unix_ms=deadline_ms,
         )
 
-    def _stream(self, rid: str, stop: list[str], context):
+    def _stream(self, rid: str, stop: list[str], context, start: int = 0):
+        """Chunks of the output stream from token index `start` on; the tokens before it only
+        prime the detokenizer and the stop trimmer, so the text continues seamlessly."""
         detok = IncrementalDetokenizer(
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         )
@@ -135,10 +162,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             for entry_id, fields in self.store.tail(rid, last_id, TAIL_BLOCK_MS):
                 last_id = entry_id
                 ids = [int(t) for t in fields["ids"].split(",")] if fields.get("ids") else []
+                first = int(fields["first"])
+                if skip := max(0, min(len(ids), start - first)):  # delivered before
+                    trimmer.push(detok.add(ids[:skip]))
+                    ids, first = ids[skip:], first + skip
                 if ids:
                     text = trimmer.push(detok.add(ids))
                     yield generation_pb2.GenerateResponse(
-                        request_id=rid, text=text, token_ids=ids, first_index=int(fields["first"])
+                        request_id=rid, text=text, token_ids=ids, first_index=first
                     )
                 if "final" in fields:
                     yield self._final_chunk(

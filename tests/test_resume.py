@@ -1,0 +1,75 @@
+"""Re-attaching to a request's stream from an index: after a lost connection or a dead gateway."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from conftest import cluster_config
+from helpers import Result, generate, request
+from specserve.local_cluster import LocalCluster
+from specserve.v1 import generation_pb2, generation_pb2_grpc
+from specserve.verifier.reference import hf_greedy
+
+
+def resume(stub, rid: str, index: int) -> Result:
+    req = generation_pb2.GenerateRequest(request_id=rid, resume_from=index)
+    return Result(list(stub.Generate(req, timeout=60)))
+
+
+def test_resume_streams_the_rest_from_an_index(gateway, tokenizer):
+    full = generate(gateway, request(prompt="x = [1, 2", max_tokens=20, request_id="resume-1"))
+    for index in (0, 7, 20, 25):
+        rest = resume(gateway, "resume-1", index)
+        assert rest.ids == full.ids[index:]
+        indices = [c.first_index for c in rest.chunks if c.token_ids]
+        assert indices[:1] == ([index] if index < 20 else [])
+        assert rest.final.finish_reason == full.final.finish_reason
+    assert resume(gateway, "resume-1", 0).text == full.text
+    rest = resume(gateway, "resume-1", 7)
+    assert rest.text and full.text.endswith(rest.text)
+
+
+@pytest.mark.parametrize(
+    "rid,index,code",
+    [
+        ("", 3, grpc.StatusCode.INVALID_ARGUMENT),
+        ("resume-none", -1, grpc.StatusCode.INVALID_ARGUMENT),
+        ("no-such-request", 0, grpc.StatusCode.NOT_FOUND),
+    ],
+)
+def test_bad_resume_requests_get_a_clear_status(gateway, rid, index, code):
+    with pytest.raises(grpc.RpcError) as err:
+        resume(gateway, rid, index)
+    assert err.value.code() == code
+    assert err.value.details()
+
+
+def test_a_client_resumes_on_a_new_gateway_after_its_gateway_dies(
+    tmp_path, tiny_model_dir, tiny_model, tokenizer
+):
+    cluster = LocalCluster(cluster_config(tiny_model_dir), tmp_path).start(timeout=180)
+    try:
+        ids = tokenizer("def fibonacci(n):").input_ids
+        with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            req = request(prompt_ids=ids, max_tokens=800, request_id="survives-gateway")
+            stream = stub.Generate(req, timeout=120)
+            received = [next(stream)]
+            cluster.kill("gateway")
+            with pytest.raises(grpc.RpcError) as err:
+                received.extend(stream)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        got = [t for c in received for t in c.token_ids]
+        scheduler = cluster.procs["scheduler"].address
+        gateway = cluster.start_service(
+            "gateway", {"SPECSERVE_GATEWAY_SCHEDULER_ADDRESS": scheduler}
+        )
+        cluster.wait_ready("gateway", 120)
+        with grpc.insecure_channel(gateway.address) as channel:
+            rest = resume(generation_pb2_grpc.GenerationStub(channel), "survives-gateway", len(got))
+        assert rest.chunks[0].first_index == len(got) or not rest.ids
+        assert got + rest.ids == hf_greedy(tiny_model, ids, 800)
+        assert rest.final.usage.completion_tokens == 800
+    finally:
+        cluster.stop()
