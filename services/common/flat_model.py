@@ -70,10 +70,6 @@ class SequenceKV:
             self.values[:, :, dst] = self.values[:, :, src]
         self.length = start + len(offsets)
 
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
 
 @dataclass
 class Segment:
@@ -102,7 +98,6 @@ class FlatModel:
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise UnsupportedModel("sliding-window attention layers are not supported")
         self.hf = hf_model
-        self.config = config
         self.body = hf_model.model
         self.layers = list(self.body.layers)
         self.num_heads = config.num_attention_heads
@@ -112,15 +107,11 @@ class FlatModel:
         )
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.vocab_size = config.vocab_size
 
     def new_kv(self, capacity: int = 64) -> SequenceKV:
         return SequenceKV(
             len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity
         )
-
-    def kv_bytes_per_token(self) -> int:
-        return 2 * len(self.layers) * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> list[torch.Tensor]:

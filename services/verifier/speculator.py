@@ -154,7 +154,8 @@ class Speculator:
         if not (self.enabled and seq.speculate) or seq.num_computed == 0:
             return 0
         size = self.tree_size if seq.tree_size is None else min(seq.tree_size, 256)
-        room = min(seq.max_tokens - len(seq.output_ids), self.max_seq_len - len(seq.all_ids))
+        generated = len(seq.output_ids)
+        room = min(seq.max_tokens - generated, self.max_seq_len - len(seq.prompt_ids) - generated)
         return max(0, min(size, room - 1))
 
     def propose(self, seqs: list[Sequence]) -> list[DraftTree]:
