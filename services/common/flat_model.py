@@ -30,7 +30,8 @@ class UnsupportedModel(ValueError):
 class SequenceKV:
     """KV buffer of one sequence: `length` positions hold valid entries.
 
-    keys, values: [layers, kv_heads, capacity, head_dim]
+    keys, values: [layers, kv_heads, capacity, head_dim]. Growing doubles the capacity but
+    stops at `limit` (the sequence's reservation), when one is set.
     """
 
     @torch.inference_mode()
@@ -39,6 +40,7 @@ class SequenceKV:
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
+        self.limit: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -49,6 +51,8 @@ class SequenceKV:
         if needed <= self.capacity:
             return
         new_cap = max(needed, 2 * self.capacity)
+        if self.limit is not None:
+            new_cap = max(needed, min(new_cap, self.limit))
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = old.new_empty((*old.shape[:2], new_cap, old.shape[3]))
@@ -108,10 +112,14 @@ class FlatModel:
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
 
-    def new_kv(self, capacity: int = 64) -> SequenceKV:
-        return SequenceKV(
+    def new_kv(self, capacity: int = 64, limit: int | None = None) -> SequenceKV:
+        if limit is not None:
+            capacity = min(capacity, limit)
+        kv = SequenceKV(
             len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, capacity
         )
+        kv.limit = limit
+        return kv
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> list[torch.Tensor]:

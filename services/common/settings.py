@@ -100,6 +100,9 @@ class GatewaySettings(ServiceSettings):
     max_stop_strings: int = Field(default=16, ge=0)
     max_stop_length: int = Field(default=64, gt=0)
     max_workers: int = Field(default=64, gt=0, description="Concurrent RPCs served.")
+    result_cache_ttl_seconds: float = Field(
+        default=600.0, gt=0, description="How long an opted-in deterministic result is reused."
+    )
 
 
 class SchedulerSettings(ServiceSettings):
@@ -109,6 +112,18 @@ class SchedulerSettings(ServiceSettings):
     port: int = Field(default=50052, ge=0, le=65535)
     interactive_queue_limit: int = Field(default=256, ge=1)
     batch_queue_limit: int = Field(default=1024, ge=1)
+    interactive_queue_timeout_seconds: float = Field(
+        default=60.0, gt=0, description="Longest wait in the interactive queue."
+    )
+    batch_queue_timeout_seconds: float = Field(
+        default=1800.0, gt=0, description="Longest wait in the batch queue."
+    )
+    interactive_burst: int = Field(
+        default=4,
+        ge=1,
+        description="Interactive placements in a row after which a waiting batch request goes "
+        "first (the bound on batch starvation).",
+    )
     placement_poll_seconds: float = Field(default=0.05, gt=0)
 
 
@@ -125,7 +140,24 @@ class VerifierSettings(ServiceSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     batch_size: int = Field(default=8, ge=1, description="Most sequences in the running batch.")
+    interactive_reserved_slots: int = Field(
+        default=1, ge=0, description="Batch slots that batch-class work may not take."
+    )
     max_seq_len: int = Field(default=4096, gt=1)
+    max_prefill_tokens: int = Field(
+        default=512,
+        ge=1,
+        description="Prompt tokens prefilled per step (longer prompts are chunked).",
+    )
+    kv_budget_tokens: int = Field(
+        default=0, ge=0, description="KV cache budget in tokens; 0 derives it from free memory."
+    )
+    kv_memory_fraction: float = Field(
+        default=0.3, gt=0, le=0.95, description="Share of free memory at start the KV may use."
+    )
+    prefix_cache: bool = Field(
+        default=True, description="Keep a finished session's KV for its next turn."
+    )
     torch_threads: int = Field(default=0, ge=0, description="0 = torch's default.")
     speculative_decoding: bool = Field(
         default=False, description="Ask drafters for trees; off = plain decoding."
@@ -146,6 +178,17 @@ class VerifierSettings(ServiceSettings):
     breaker_cooldown_seconds: float = Field(
         default=10.0, ge=0, description="How long an open breaker skips the drafter."
     )
+    speculation_policy: Literal["adaptive", "fixed"] = Field(
+        default="adaptive",
+        description="adaptive: tree size per step from a cost model (down to 0); "
+        "fixed: verification_tree_size.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.interactive_reserved_slots >= self.batch_size:
+            raise ValueError("interactive_reserved_slots must be below batch_size")
+        return self
 
 
 class DrafterSettings(ServiceSettings):

@@ -7,10 +7,14 @@ Keys (prefix `specserve:`):
                          the last entry has final (JSON)
   queue:{class}   stream one entry per queued request (field rid); consumer group `placement`;
                          acked and deleted when the request ends
-  verifier:{id}   hash   address, capacity, running, model (expires without heartbeats)
+  verifier:{id}   hash   address, model, capacity, running, batch_capacity, batch_running,
+                         kv_budget, kv_reserved, kv_cached, max_seq_len (expires without heartbeats)
   verifiers       set    registered verifier ids
+  result:{hash}   hash   ids, final (JSON) of a finished deterministic request (result cache, TTL)
+  session:{sid}   string id of the verifier whose prefix cache holds the session's last turn
 
-Status moves queued -> running -> finished | cancelled | failed, or queued -> cancelled.
+Status moves queued -> running -> finished | cancelled | failed, or queued -> cancelled |
+expired (waited past its class timeout or its deadline).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import redis
 PREFIX = "specserve:"
 GROUP = "placement"
 QUEUE_CLASSES = ("interactive", "batch")
-ENDED = ("finished", "cancelled", "failed")
+ENDED = ("finished", "cancelled", "failed", "expired")
 RESULT_TTL_SECONDS = 3600
 
 
@@ -43,6 +47,14 @@ def queue_key(cls: str) -> str:
 
 def verifier_key(vid: str) -> str:
     return f"{PREFIX}verifier:{vid}"
+
+
+def result_key(key: str) -> str:
+    return f"{PREFIX}result:{key}"
+
+
+def session_key(sid: str) -> str:
+    return f"{PREFIX}session:{sid}"
 
 
 VERIFIERS_KEY = f"{PREFIX}verifiers"
@@ -72,12 +84,13 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'admitted_ms'
 return 1
 """
 
-# Cancels: a queued request ends now; a running one gets the flag its verifier reads.
+# Ends a queued request now with status ARGV[5] (cancelled, expired); with ARGV[6] == '1' a
+# running one gets the cancel flag its verifier reads.
 # Returns {state, owner}: state 0 already ended/unknown, 1 was queued (ended now), 2 running.
-_CANCEL = """
+_END_QUEUED = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if st == 'queued' then
-  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'final', ARGV[1])
+  redis.call('HSET', KEYS[1], 'status', ARGV[5], 'final', ARGV[1])
   redis.call('XADD', KEYS[2], '*', 'first', 0, 'ids', '', 'final', ARGV[1])
   local q = redis.call('HGET', KEYS[1], 'queue')
   local e = redis.call('HGET', KEYS[1], 'entry_id')
@@ -86,7 +99,7 @@ if st == 'queued' then
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
   return {1, ''}
-elseif st == 'running' then
+elseif st == 'running' and ARGV[6] == '1' then
   redis.call('HSET', KEYS[1], 'cancel', 1)
   return {2, redis.call('HGET', KEYS[1], 'owner')}
 end
@@ -117,7 +130,7 @@ class RequestStore:
         self.r = client
         self._create = client.register_script(_CREATE)
         self._claim = client.register_script(_CLAIM)
-        self._cancel = client.register_script(_CANCEL)
+        self._end_queued = client.register_script(_END_QUEUED)
 
     @classmethod
     def from_url(cls, url: str) -> RequestStore:
@@ -151,11 +164,40 @@ class RequestStore:
         return [(eid, fields["rid"]) for _, entries in resp for eid, fields in entries if fields]
 
     def cancel(self, rid: str, final: dict[str, Any]) -> tuple[int, str]:
-        state, owner = self._cancel(
+        """Ends a queued request, flags a running one. Returns (state, owner) as _END_QUEUED."""
+        return self._end(rid, final, "cancelled", flag_running=True)
+
+    def expire(self, rid: str, final: dict[str, Any]) -> bool:
+        """Ends a request that is still queued as expired; False if it was not queued."""
+        return self._end(rid, final, "expired", flag_running=False)[0] == 1
+
+    def _end(self, rid: str, final: dict, status: str, flag_running: bool) -> tuple[int, str]:
+        state, owner = self._end_queued(
             keys=[req_key(rid), out_key(rid)],
-            args=[json.dumps(final), f"{PREFIX}queue:", GROUP, RESULT_TTL_SECONDS],
+            args=[
+                json.dumps(final),
+                f"{PREFIX}queue:",
+                GROUP,
+                RESULT_TTL_SECONDS,
+                status,
+                int(flag_running),
+            ],
         )
         return int(state), owner or ""
+
+    def queued_before(self, cls: str, cutoff_ms: int, count: int) -> list[str]:
+        """Request ids of the class's queue entries created before cutoff_ms (oldest first;
+        entries of running requests are among them until they end)."""
+        entries = self.r.xrange(queue_key(cls), "-", cutoff_ms, count=count)
+        return [fields["rid"] for _, fields in entries if "rid" in fields]
+
+    def waiting_count(self, cls: str) -> int:
+        """Requests of the class not yet placed (entries not yet read by the placement)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xlen(queue_key(cls))
+        pipe.xpending(queue_key(cls), GROUP)
+        length, pending = pipe.execute()
+        return length - int(pending["pending"])
 
     def live_verifiers(self) -> list[dict[str, str]]:
         """Registered verifiers whose heartbeat has not expired."""
@@ -170,6 +212,10 @@ class RequestStore:
             else:
                 self.r.srem(VERIFIERS_KEY, vid)
         return out
+
+    def session_owner(self, sid: str) -> str | None:
+        """The verifier holding the session's cached prefix, if any."""
+        return self.r.get(session_key(sid)) if sid else None
 
     # --- verifier side --------------------------------------------------------------------
     def heartbeat(self, vid: str, info: dict[str, Any], ttl_seconds: float) -> None:
@@ -217,9 +263,20 @@ class RequestStore:
         results = pipe.execute()
         return [v == "1" for v in results[2 * len(progress) :]]
 
-    def finish(self, rid: str, status: str, final: dict[str, Any], queue: str, entry: str) -> None:
-        """Ends a request: final stream entry, status, queue entry acked and deleted."""
+    def finish(
+        self,
+        rid: str,
+        status: str,
+        final: dict[str, Any],
+        queue: str,
+        entry: str,
+        session: tuple[str, str] | None = None,
+    ) -> None:
+        """Ends a request: final stream entry, status, queue entry acked and deleted; with
+        `session` (session id, verifier id), the session's next turn is to go there."""
         pipe = self.r.pipeline(transaction=True)
+        if session is not None:
+            pipe.set(session_key(session[0]), session[1], ex=RESULT_TTL_SECONDS)
         pipe.xadd(
             out_key(rid),
             {"first": final["usage"]["completion_tokens"], "ids": "", "final": json.dumps(final)},
@@ -236,3 +293,26 @@ class RequestStore:
         """Output-stream entries after last_id, waiting up to block_ms for the first."""
         resp = self.r.xread({out_key(rid): last_id}, block=block_ms, count=64)
         return [entry for _, entries in resp for entry in entries]
+
+    def largest_verifier(self) -> tuple[int, int] | None:
+        """(kv_budget, max_seq_len) of the live verifier with the largest KV budget."""
+        rows = [v for v in self.live_verifiers() if "kv_budget" in v]
+        if not rows:
+            return None
+        best = max(rows, key=lambda v: int(v["kv_budget"]))
+        return int(best["kv_budget"]), int(best.get("max_seq_len", 0))
+
+    def cached_result(self, key: str) -> tuple[list[int], dict[str, Any]] | None:
+        """A result cache entry: (token ids, FinalInfo JSON), or None."""
+        h = self.r.hgetall(result_key(key))
+        if not h:
+            return None
+        return [int(t) for t in h["ids"].split(",") if t], json.loads(h["final"])
+
+    def cache_result(self, key: str, ids: list[int], final: dict, ttl_seconds: float) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(
+            result_key(key), mapping={"ids": ",".join(map(str, ids)), "final": json.dumps(final)}
+        )
+        pipe.pexpire(result_key(key), int(ttl_seconds * 1000))
+        pipe.execute()

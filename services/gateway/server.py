@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -17,11 +18,25 @@ from ..common.settings import GatewaySettings
 from ..common.store import RequestStore
 from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from .text import IncrementalDetokenizer, StopTrimmer
-from .validation import InvalidRequest, Limits, check_prompt_length, find_invalid_utf8, validate
+from .validation import (
+    InvalidRequest,
+    Limits,
+    check_fits,
+    check_prompt_length,
+    find_invalid_utf8,
+    validate,
+)
 
 log = logging.getLogger(__name__)
 
 TAIL_BLOCK_MS = 500
+REGISTRY_TTL_SECONDS = 1.0  # how long the verifiers' largest KV budget is reused
+# Statuses of the scheduler's that the client can act on, passed through as they are.
+PASS_THROUGH = (
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
 
 
 class _BadBytes:
@@ -56,6 +71,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.store = store
         self.scheduler = scheduler
         self.manifest = manifest
+        self.model_id = f"{settings.model.label}:{manifest.get('sha256', '')}"
         self.limits = Limits(
             vocab_size=len(tokenizer),
             max_seq_len=settings.max_seq_len,
@@ -63,6 +79,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             max_stop_strings=settings.max_stop_strings,
             max_stop_length=settings.max_stop_length,
         )
+        self._largest: tuple[float, tuple[int, int] | None] = (0.0, None)
 
     # --- Generate ---------------------------------------------------------------------------
     def Generate(self, request, context):
@@ -79,17 +96,69 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = submit.request_id
+        cache_key = result_cache_key(submit, self.model_id) if request.use_result_cache else None
+        if cache_key and (hit := self._cached_result(cache_key)):
+            yield from self._replay(rid, *hit, list(submit.stop))
+            return
         try:
             self.scheduler.Submit(submit, timeout=self.settings.timeout_seconds)
         except grpc.RpcError as e:
-            code = e.code()
-            if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
+            if e.code() in PASS_THROUGH:
                 context.set_trailing_metadata(e.trailing_metadata() or ())
-                context.abort(code, e.details())
+                context.abort(e.code(), e.details())
             context.abort(
                 grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable; retry shortly"
             )
-        yield from self._stream_until_done(rid, list(submit.stop), context)
+        ids = []
+        for chunk in self._stream_until_done(rid, list(submit.stop), context):
+            ids.extend(chunk.token_ids)
+            if cache_key and chunk.HasField("final"):
+                self._cache_result(cache_key, ids, chunk.final)
+            yield chunk
+
+    # --- result cache -----------------------------------------------------------------------
+    def _cached_result(self, key: str):
+        try:
+            return self.store.cached_result(key)
+        except redis.RedisError:
+            log.warning("result cache unavailable")
+            return None
+
+    def _cache_result(self, key: str, ids: list[int], final) -> None:
+        info = json_format.MessageToDict(final, preserving_proto_field_name=True)
+        try:
+            self.store.cache_result(key, ids, info, self.settings.result_cache_ttl_seconds)
+        except redis.RedisError:
+            log.warning("result cache unavailable")
+
+    def _replay(self, rid: str, ids: list[int], final: dict, stop: list[str]):
+        """A cached result as a stream: all its tokens, then the final chunk."""
+        detok = IncrementalDetokenizer(
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        )
+        trimmer = StopTrimmer(stop)
+        yield generation_pb2.GenerateResponse(
+            request_id=rid, text=trimmer.push(detok.add(ids)), token_ids=ids, first_index=0
+        )
+        info = json_format.ParseDict(final, generation_pb2.FinalInfo(), ignore_unknown_fields=True)
+        info.timings.Clear()  # nothing ran
+        info.cached = True
+        yield generation_pb2.GenerateResponse(
+            request_id=rid,
+            text=trimmer.push(detok.flush()) + trimmer.flush(),
+            first_index=len(ids),
+            final=info,
+        )
+
+    def _largest_verifier(self) -> tuple[int, int] | None:
+        fetched, largest = self._largest
+        if time.monotonic() - fetched > REGISTRY_TTL_SECONDS:
+            try:
+                largest = self.store.largest_verifier()
+            except redis.RedisError:
+                largest = None  # the scheduler queues it; admission still never overcommits
+            self._largest = (time.monotonic(), largest)
+        return largest
 
     def _resume(self, request, context):
         """Re-attach: the rest of an existing request's stream, from index resume_from."""
@@ -136,18 +205,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if not ids:
             raise InvalidRequest(which, "tokenizes to no tokens")
         check_prompt_length(len(ids), self.limits)
+        max_tokens = req.max_tokens or self.limits.default_max_tokens
+        check_fits(len(ids), max_tokens, self._largest_verifier())
         remaining = context.time_remaining()
         deadline_ms = int((time.time() + remaining) * 1000) if remaining else 0
         priority = req.priority or common_pb2.PRIORITY_CLASS_INTERACTIVE
         return scheduler_pb2.SubmitRequest(
             request_id=req.request_id or uuid.uuid4().hex,
             prompt_ids=ids,
-            max_tokens=req.max_tokens or self.limits.default_max_tokens,
+            max_tokens=max_tokens,
             sampling=req.sampling,
             stop=list(req.stop),
             priority=priority,
             speculation=req.speculation,
             deadline_unix_ms=deadline_ms,
+            session_id=req.session_id,
         )
 
     def _stream(self, rid: str, stop: list[str], context, start: int = 0):
@@ -187,6 +259,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error or 'unknown'}")
         if final.get("finish_reason") == "FINISH_REASON_CANCELLED":
             context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
+        if final.get("finish_reason") == "FINISH_REASON_DEADLINE":
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, error or "the deadline passed")
         info = json_format.ParseDict(final, generation_pb2.FinalInfo(), ignore_unknown_fields=True)
         return generation_pb2.GenerateResponse(
             request_id=rid, text=text, first_index=first, final=info
@@ -226,6 +300,26 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             max_tokens_limit=self.limits.max_tokens_limit,
             sha256=self.manifest.get("sha256", ""),
         )
+
+
+def result_cache_key(submit: scheduler_pb2.SubmitRequest, model_id: str) -> str | None:
+    """The result cache key of a deterministic request (greedy, or sampling with a seed);
+    None for unseeded sampling, which is never cached. Speculation does not change a greedy
+    output, so it is not part of a greedy key."""
+    sampling = submit.sampling
+    seeded = sampling.HasField("seed")
+    if sampling.temperature > 0 and not seeded:
+        return None
+    parts = {
+        "model": model_id,
+        "prompt": list(submit.prompt_ids),
+        "max_tokens": submit.max_tokens,
+        "stop": list(submit.stop),
+    }
+    if sampling.temperature > 0:
+        parts["sampling"] = json_format.MessageToDict(sampling)
+        parts["speculation"] = json_format.MessageToDict(submit.speculation)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def _handler(service: GenerationService) -> grpc.GenericRpcHandler:

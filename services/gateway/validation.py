@@ -82,6 +82,8 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits) -> None:
         raise InvalidRequest("speculation.tree_size", "must be in [0, 256]")
     if req.request_id and not REQUEST_ID_RE.match(req.request_id):
         raise InvalidRequest("request_id", "1 to 128 characters of A-Z a-z 0-9 . _ : -")
+    if req.session_id and not REQUEST_ID_RE.match(req.session_id):
+        raise InvalidRequest("session_id", "1 to 128 characters of A-Z a-z 0-9 . _ : -")
 
 
 def _validate_sampling(s: common_pb2.SamplingParams) -> None:
@@ -99,6 +101,22 @@ def check_prompt_length(n_tokens: int, limits: Limits) -> None:
             "prompt",
             f"is {n_tokens} tokens; max_seq_len is "
             f"{limits.max_seq_len}, which must leave room for output",
+        )
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, largest: tuple[int, int] | None) -> None:
+    """A request must fit the KV budget of some verifier: `largest` is (budget, max_seq_len) of
+    the verifier with the largest budget (None: none registered yet; the request may wait)."""
+    if largest is None:
+        return
+    budget, max_seq_len = largest
+    need = min(prompt_tokens + max_tokens, max_seq_len)
+    if need > budget:
+        raise InvalidRequest(
+            "max_tokens",
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) needs up to {need} "
+            f"KV cache tokens, more than any verifier has ({budget}); shorten the prompt or "
+            "lower max_tokens",
         )
 
 

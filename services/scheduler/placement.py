@@ -1,4 +1,5 @@
-"""Placement: which waiting request goes to which verifier. Pure functions, no I/O."""
+"""Placement: which waiting request goes to which verifier, and which class goes first.
+Pure functions, no I/O."""
 
 from __future__ import annotations
 
@@ -7,27 +8,80 @@ from dataclasses import dataclass
 
 @dataclass
 class VerifierLoad:
+    """A verifier as its last heartbeat described it (updated locally as requests are placed)."""
+
     verifier_id: str
     address: str
     capacity: int
     running: int
+    batch_capacity: int = 0
+    batch_running: int = 0
+    kv_budget: int = 0
+    kv_reserved: int = 0
+    max_seq_len: int = 0
 
     @property
-    def free(self) -> int:
-        return self.capacity - self.running
+    def free_kv(self) -> int:
+        return self.kv_budget - self.kv_reserved
+
+    def need(self, prompt_tokens: int, max_tokens: int) -> int:
+        """KV tokens the verifier reserves for such a request."""
+        return min(prompt_tokens + max_tokens, self.max_seq_len)
+
+    def fits(self, priority: str, kv_tokens: int) -> bool:
+        if self.running >= self.capacity or kv_tokens > self.free_kv:
+            return False
+        return priority != "batch" or self.batch_running < self.batch_capacity
+
+    def take(self, priority: str, kv_tokens: int) -> None:
+        self.running += 1
+        self.batch_running += priority == "batch"
+        self.kv_reserved += kv_tokens
 
 
 def parse_verifiers(rows: list[dict[str, str]]) -> list[VerifierLoad]:
+    fields = ("running", "batch_capacity", "batch_running", "kv_budget", "kv_reserved")
     return [
-        VerifierLoad(r["id"], r["address"], int(r.get("capacity", 0)), int(r.get("running", 0)))
+        VerifierLoad(
+            r["id"],
+            r["address"],
+            int(r.get("capacity", 0)),
+            **{f: int(r.get(f, 0)) for f in fields},
+            max_seq_len=int(r.get("max_seq_len", 0)),
+        )
         for r in rows
         if "address" in r
     ]
 
 
-def choose_verifier(loads: list[VerifierLoad]) -> VerifierLoad | None:
-    """The verifier with the most free slots (ties: fewest running); None if all are full."""
-    free = [v for v in loads if v.free > 0]
-    if not free:
+@dataclass
+class Want:
+    """What a waiting request needs of a verifier."""
+
+    priority: str
+    prompt_tokens: int
+    max_tokens: int
+    session_owner: str | None = None  # verifier holding the session's cached prefix
+
+
+def choose_verifier(loads: list[VerifierLoad], want: Want) -> VerifierLoad | None:
+    """The session's verifier if it holds the session's prefix and the request fits there;
+    else the least loaded that fits: most free KV budget (as a share), then fewest running.
+    None if it fits nowhere now."""
+    fitting = [
+        v for v in loads if v.fits(want.priority, v.need(want.prompt_tokens, want.max_tokens))
+    ]
+    for v in fitting:
+        if v.verifier_id == want.session_owner:
+            return v
+    if not fitting:
         return None
-    return max(free, key=lambda v: (v.free, -v.running))
+    return max(fitting, key=lambda v: (v.free_kv / max(1, v.kv_budget), -v.running))
+
+
+def class_order(streak: int, burst: int, batch_waiting: bool) -> tuple[str, ...]:
+    """Interactive first, unless `burst` interactive requests were placed in a row while batch
+    work waited: then one batch request goes first (batch cannot starve)."""
+    if batch_waiting and streak >= burst:
+        return ("batch", "interactive")
+    return ("interactive", "batch")

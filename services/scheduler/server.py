@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 
 import grpc
@@ -11,9 +12,10 @@ from google.protobuf import json_format
 
 from ..common.grpc_server import Server
 from ..common.settings import SchedulerSettings
-from ..common.store import QUEUE_CLASSES, RequestStore
+from ..common.store import QUEUE_CLASSES, RequestStore, now_ms
 from ..v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from .placement import choose_verifier, parse_verifiers
+from . import metrics
+from .placement import VerifierLoad, Want, choose_verifier, class_order, parse_verifiers
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +25,16 @@ CLASS_NAMES = {
 }
 
 
-def cancelled_final(prompt_tokens: int) -> dict:
+EXPIRY_PERIOD_SECONDS = 0.5
+EXPIRY_SCAN = 1000  # queue entries looked at per class and scan (running ones included)
+
+
+def ended_final(reason: str, prompt_tokens: int, error: str = "") -> dict:
+    """FinalInfo (JSON) of a request that ends before it ran."""
     return {
-        "finish_reason": "FINISH_REASON_CANCELLED",
+        "finish_reason": reason,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0},
+        "error": error,
     }
 
 
@@ -70,11 +78,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         spec = json_format.MessageToDict(request, preserving_proto_field_name=True)
         code, waiting = self.store.create(request.request_id, spec, cls, self.limits[cls])
         if code == 2:
+            metrics.REJECTED.labels(cls).inc()
             context.set_trailing_metadata((("retry-after-ms", "1000"),))
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the {cls} queue is full ({waiting} waiting); retry in about a second",
             )
+        if code == 0:
+            metrics.SUBMITTED.labels(cls).inc()
         log.info(
             "submitted",
             extra={
@@ -91,7 +102,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if rec is None:
             return scheduler_pb2.SchedulerCancelResponse(cancelled=False)
         state, owner = self.store.cancel(
-            request.request_id, cancelled_final(len(rec.spec.get("prompt_ids", [])))
+            request.request_id,
+            ended_final("FINISH_REASON_CANCELLED", len(rec.spec.get("prompt_ids", []))),
         )
         if state == 2 and owner:
             address = next(
@@ -109,7 +121,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
 
 class Placer:
-    """Moves queued requests onto verifiers: interactive first, then batch."""
+    """Moves queued requests onto verifiers, interactive first (see `class_order`); ends
+    requests that waited past their class timeout or deadline."""
 
     def __init__(
         self,
@@ -122,8 +135,14 @@ class Placer:
         self.store = store
         self.verifiers = verifiers
         self.consumer = consumer
+        self.timeouts = {
+            "interactive": settings.interactive_queue_timeout_seconds,
+            "batch": settings.batch_queue_timeout_seconds,
+        }
         # Entries read from the queues and not yet placed, per class (oldest first).
         self.waiting: dict[str, deque[tuple[str, str]]] = {c: deque() for c in QUEUE_CLASSES}
+        self.streak = 0  # interactive placements in a row while batch work waited
+        self._next_expiry = 0.0
         self.stop = threading.Event()
 
     def recover(self) -> None:
@@ -135,6 +154,9 @@ class Placer:
     def run(self) -> None:
         while not self.stop.is_set():
             try:
+                if time.monotonic() >= self._next_expiry:
+                    self.expire_waiting()
+                    self._next_expiry = time.monotonic() + EXPIRY_PERIOD_SECONDS
                 placed = self.place_some()
             except Exception:
                 log.exception("placement failed; retrying")
@@ -143,30 +165,97 @@ class Placer:
                 self.stop.wait(self.settings.placement_poll_seconds)
 
     def place_some(self) -> bool:
+        """Places waiting requests until none fits; True if any was placed."""
         loads = parse_verifiers(self.store.live_verifiers())
-        placed = False
-        for cls in QUEUE_CLASSES:
-            while (target := choose_verifier(loads)) is not None:
-                if not self.waiting[cls]:
-                    self.waiting[cls].extend(self.store.read_queue(cls, self.consumer, 1))
-                if not self.waiting[cls]:
+        placed, blocked = False, set()
+        if not loads:  # nothing read from the queues: their length limits count it all
+            blocked.update(QUEUE_CLASSES)
+        while len(blocked) < len(QUEUE_CLASSES):
+            batch_waiting = "batch" not in blocked and self._head("batch") is not None
+            for cls in class_order(self.streak, self.settings.interactive_burst, batch_waiting):
+                if cls not in blocked:
                     break
-                entry_id, rid = self.waiting[cls][0]
-                ok = self._admit(target.address, rid)
-                if ok is None:  # verifier refused or failed: treat it as full for now
-                    target.running = target.capacity
-                    continue
-                self.waiting[cls].popleft()  # placed, or no longer waiting (e.g. cancelled)
-                if ok:
-                    target.running += 1
-                    placed = True
+            if not self._place_head(cls, loads):
+                blocked.add(cls)
+                continue
+            placed = True
+            if cls == "batch":
+                self.streak = 0
+            elif batch_waiting:
+                self.streak += 1
+        for cls in QUEUE_CLASSES:
+            metrics.QUEUE_DEPTH.labels(cls).set(
+                len(self.waiting[cls]) + self.store.waiting_count(cls)
+            )
         return placed
+
+    def _head(self, cls: str) -> tuple[str, str] | None:
+        if not self.waiting[cls]:
+            self.waiting[cls].extend(self.store.read_queue(cls, self.consumer, 1))
+        return self.waiting[cls][0] if self.waiting[cls] else None
+
+    def _place_head(self, cls: str, loads: list[VerifierLoad]) -> bool:
+        """Places the oldest waiting request of `cls` (dropping ones that ended meanwhile);
+        False if there is none or it fits on no verifier now."""
+        while (head := self._head(cls)) is not None:
+            rec = self.store.get(head[1])
+            if rec is None or rec.status != "queued":
+                self.waiting[cls].popleft()  # cancelled or expired meanwhile
+                continue
+            spec = rec.spec
+            deadline = int(spec.get("deadline_unix_ms", 0))
+            if deadline and deadline <= now_ms():
+                self._expire(rec.request_id, cls, "the deadline passed while it was queued")
+                continue
+            session = spec.get("session_id", "")
+            want = Want(
+                cls,
+                len(spec["prompt_ids"]),
+                int(spec["max_tokens"]),
+                self.store.session_owner(session) if session else None,
+            )
+            result = None
+            candidates = loads
+            while result is None:
+                target = choose_verifier(candidates, want)
+                if target is None:
+                    return False  # fits nowhere now: the class waits (first in, first out)
+                result = self._admit(target.address, rec.request_id)
+                # refused or failed: full for this request for now
+                candidates = [v for v in candidates if v is not target]
+            self.waiting[cls].popleft()
+            if result:
+                target.take(cls, target.need(want.prompt_tokens, want.max_tokens))
+                metrics.PLACED.labels(cls).inc()
+                metrics.QUEUE_WAIT.labels(cls).observe(max(0, now_ms() - rec.created_ms) / 1e3)
+                metrics.SESSION_HITS.inc(target.verifier_id == want.session_owner)
+                return True
+        return False
+
+    def expire_waiting(self) -> None:
+        """Ends queued requests past their class timeout, and any whose deadline passed."""
+        now = now_ms()
+        for cls in QUEUE_CLASSES:
+            timeout_ms = int(self.timeouts[cls] * 1000)
+            for rid in self.store.queued_before(cls, now - timeout_ms, EXPIRY_SCAN):
+                self._expire(rid, cls, f"waited in the {cls} queue past {self.timeouts[cls]:g}s")
+            for _, rid in list(self.waiting[cls]):
+                rec = self.store.get(rid)
+                deadline = int(rec.spec.get("deadline_unix_ms", 0)) if rec else 0
+                if deadline and deadline <= now:
+                    self._expire(rid, cls, "the deadline passed while it was queued")
+
+    def _expire(self, rid: str, cls: str, why: str) -> None:
+        rec = self.store.get(rid)
+        if rec is None or rec.status != "queued":
+            return
+        final = ended_final("FINISH_REASON_DEADLINE", len(rec.spec.get("prompt_ids", [])), why)
+        if self.store.expire(rid, final):
+            metrics.EXPIRED.labels(cls).inc()
+            log.info("expired", extra={"request_id": rid, "class": cls, "reason": why})
 
     def _admit(self, address: str, rid: str) -> bool | None:
         """True if admitted, False if the request no longer needs placing, None to retry."""
-        rec = self.store.get(rid)
-        if rec is None or rec.status != "queued":
-            return False
         try:
             resp = self.verifiers.get(address).Admit(
                 verifier_pb2.AdmitRequest(request_id=rid), timeout=self.settings.timeout_seconds

@@ -1,6 +1,9 @@
 """The verifier's decode loop: admit; then per step plan, draft, verify, accept, emit, retire.
 
 One thread runs the loop; RPC handlers only hand it work through `admit` and `cancel`.
+Continuous batching: sequences join and leave at every step. A prompt is prefilled in chunks
+of at most `max_prefill_tokens` per step (interactive prompts first), in the same forward pass
+as the running sequences' decode steps, so a long prompt never stalls them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from ..common.store import RequestStore
 from ..common.tree import DraftTree
 from . import metrics
 from .acceptance import accept
+from .admission import Admission, CachedPrefix, Grant
 from .runner import ModelRunner
 from .sampling import make_generator
 from .sequence import Sequence
@@ -31,22 +35,27 @@ class Engine:
         runner: ModelRunner,
         speculator: Speculator,
         store: RequestStore,
+        admission: Admission,
         *,
-        batch_size: int,
         max_seq_len: int,
+        max_prefill_tokens: int,
         eos_ids: set[int],
         decode: Callable[[list[int]], str],
+        verifier_id: str = "",
+        prefix_cache: bool = True,
     ):
         self.runner = runner
         self.speculator = speculator
         self.store = store
-        self.batch_size = batch_size
+        self.admission = admission
         self.max_seq_len = max_seq_len
+        self.max_prefill_tokens = max_prefill_tokens
         self.eos_ids = eos_ids
         self.decode = decode
+        self.verifier_id = verifier_id
+        self.prefix_cache = prefix_cache
         self.running: dict[str, Sequence] = {}  # owned by the loop thread
         self._inbox: queue.Queue[Sequence] = queue.Queue()
-        self._reserved = 0  # admitted, not yet picked up by the loop
         self._cancel: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -54,21 +63,18 @@ class Engine:
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # --- called from RPC threads ----------------------------------------------------------
-    def reserve(self) -> bool:
-        """Takes a batch slot for an admission; False when the batch is full."""
-        with self._lock:
-            if len(self.running) + self._reserved >= self.batch_size:
-                return False
-            self._reserved += 1
-            return True
-
-    def unreserve(self) -> None:
-        with self._lock:
-            self._reserved -= 1
-
-    def admit(self, seq: Sequence) -> None:
-        """Hands a reserved, claimed sequence to the loop; it joins at the next step."""
+    def admit(self, seq: Sequence, grant: Grant) -> None:
+        """Hands a sequence admitted with `grant` (and claimed) to the loop; it joins at the
+        next step. A cached prefix of its session becomes its KV, cut to the shared tokens."""
         seq.generator = make_generator(seq.params)
+        seq.kv_limit = grant.tokens
+        if grant.prefix is not None:
+            kv = grant.prefix.kv
+            shared = common_prefix(grant.prefix.token_ids, seq.prompt_ids)
+            kv.truncate(min(shared, len(seq.prompt_ids) - 1))  # the last one yields logits
+            kv.limit = grant.tokens
+            seq.kv, seq.cached_tokens = kv, kv.length
+            metrics.PREFIX_CACHE_TOKENS.inc(kv.length)
         self._inbox.put(seq)
 
     def cancel(self, request_id: str) -> bool:
@@ -79,10 +85,9 @@ class Engine:
             self._cancel.add(request_id)
         return found
 
-    def snapshot(self) -> tuple[int, list[str]]:
+    def running_ids(self) -> list[str]:
         with self._lock:
-            ids = list(self.running)
-            return len(ids) + self._reserved, ids
+            return list(self.running)
 
     def start(self) -> None:
         self.thread.start()
@@ -113,7 +118,6 @@ class Engine:
         while True:
             with self._lock:
                 self.running[seq.request_id] = seq
-                self._reserved -= 1
             try:
                 seq = self._inbox.get_nowait()
             except queue.Empty:
@@ -121,30 +125,47 @@ class Engine:
 
     def step(self) -> None:
         """Plan, draft, verify, accept, emit: one forward pass for every running sequence."""
-        seqs = self._plan()
-        if seqs:
+        plan = self._plan()
+        if plan:
+            seqs, takes = [s for s, _ in plan], [t for _, t in plan]
+            complete = [take == seq.num_pending for seq, take in plan]
+            metrics.BATCH_SIZE.observe(len(seqs))
             with metrics.DRAFT_SECONDS.time():
                 trees = self.speculator.propose(seqs)
             try:
                 with metrics.VERIFY_SECONDS.time():
-                    logits = self.runner.verify(seqs, trees)
+                    logits = self.runner.verify(seqs, trees, takes)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 log.exception("forward failed", extra={"requests": len(seqs)})
                 for seq in seqs:
                     seq.finish_reason, seq.error = "FINISH_REASON_ERROR", f"forward failed: {e}"
             else:
-                for seq, tree, rows in zip(seqs, trees, logits, strict=True):
-                    self._accept(seq, tree, rows)
+                for seq, tree, rows, done in zip(seqs, trees, logits, complete, strict=True):
+                    if done:  # else a prefill chunk: no token until the prompt is all in
+                        self._accept(seq, tree, rows)
         self.steps += 1
         metrics.STEPS.inc()
         self._emit(list(self.running.values()))
 
-    def _plan(self) -> list[Sequence]:
-        """The sequences that take part in this step: running, not cancelled, not finished."""
+    def _plan(self) -> list[tuple[Sequence, int]]:
+        """The sequences that take part in this step (running, not cancelled, not finished),
+        each with how many of its pending tokens it feeds: all of them when decoding; for a
+        prompt, a chunk of the step's prefill budget (interactive prompts first)."""
         with self._lock:
             for seq in self.running.values():
                 seq.cancelled |= seq.request_id in self._cancel
-        return [s for s in self.running.values() if not s.cancelled and not s.finish_reason]
+        active = [s for s in self.running.values() if not s.cancelled and not s.finish_reason]
+        budget = self.max_prefill_tokens
+        plan = []
+        for seq in sorted(active, key=lambda s: s.queue != "interactive"):
+            take = seq.num_pending
+            if seq.prefilling:
+                take = min(take, budget)
+                budget -= take
+                metrics.PREFILL_TOKENS.inc(take)
+            if take:
+                plan.append((seq, take))
+        return plan
 
     def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> None:
         verdict = accept(tree, logits, seq.params, seq.generator)
@@ -183,7 +204,18 @@ class Engine:
         status = {"FINISH_REASON_CANCELLED": "cancelled", "FINISH_REASON_ERROR": "failed"}.get(
             seq.finish_reason, "finished"
         )
-        self.store.finish(seq.request_id, status, seq.final_info(), seq.queue, seq.entry_id)
+        prefix = None
+        if self.prefix_cache and seq.session_id and status == "finished" and seq.kv is not None:
+            prefix = CachedPrefix(seq.all_ids[: seq.kv.length], seq.kv)
+        kept = self.admission.release(seq.request_id, seq.session_id, prefix)
+        self.store.finish(
+            seq.request_id,
+            status,
+            seq.final_info(),
+            seq.queue,
+            seq.entry_id,
+            session=(seq.session_id, self.verifier_id) if kept else None,
+        )
         self.runner.release(seq)
         self.speculator.forget(seq)
         with self._lock:
@@ -198,3 +230,13 @@ class Engine:
                 "steps": seq.steps,
             },
         )
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10)
 
@@ -27,3 +27,24 @@ FALLBACK_STEPS = Counter(
     "Sequence steps drafted by the fallback because the drafter failed or was late.",
 )
 GENERATED_TOKENS = Counter("specserve_verifier_generated_tokens_total", "Tokens emitted.")
+BATCH_SIZE = Histogram(
+    "specserve_verifier_batch_size",
+    "Sequences in one step's forward pass.",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+)
+PREFILL_TOKENS = Counter("specserve_verifier_prefill_tokens_total", "Prompt tokens prefilled.")
+PREFIX_CACHE_TOKENS = Counter(
+    "specserve_verifier_prefix_cache_tokens_total",
+    "Prompt tokens whose KV was taken from the prefix cache instead of computed.",
+)
+KV_BUDGET = Gauge("specserve_verifier_kv_budget_tokens", "KV cache budget in tokens.")
+KV_RESERVED = Gauge(
+    "specserve_verifier_kv_reserved_tokens", "KV tokens reserved by running sequences."
+)
+KV_CACHED = Gauge("specserve_verifier_kv_cached_tokens", "KV tokens held by the prefix cache.")
+RUNNING = Gauge("specserve_verifier_running", "Sequences admitted to the batch.")
+TREE_BUDGET = Histogram(
+    "specserve_verifier_tree_budget",
+    "Draft tree nodes asked for per sequence per step (0: plain decoding).",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)

@@ -20,21 +20,23 @@ class ModelRunner:
     def __init__(self, model: FlatModel):
         self.model = model
 
-    def verify(self, seqs: list[Sequence], trees: list[DraftTree]) -> list[torch.Tensor]:
-        """Target logits per sequence: [nodes + 1, vocab]; row 0 follows the last token and
-        row i + 1 follows tree node i."""
+    def verify(
+        self, seqs: list[Sequence], trees: list[DraftTree], takes: list[int | None] | None = None
+    ) -> list[torch.Tensor]:
+        """Target logits per sequence: [nodes + 1, vocab]; row 0 follows the last pending token
+        fed and row i + 1 follows tree node i. Each sequence feeds `takes` of its pending tokens
+        (all when None; fewer: a prefill chunk, whose logits mean nothing yet)."""
         started = time.perf_counter()
         segments = []
-        prefilling = []
-        for seq, tree in zip(seqs, trees, strict=True):
+        prefilling = [seq for seq in seqs if seq.prefilling]
+        for seq, tree, take in zip(seqs, trees, takes or [None] * len(seqs), strict=True):
             if seq.kv is None:
-                seq.kv = self.model.new_kv(len(seq.prompt_ids) + 64)
-                prefilling.append(seq)
-            segments.append(tree_segment(seq, tree))
+                seq.kv = self.model.new_kv(len(seq.prompt_ids) + 64, seq.kv_limit)
+            segments.append(tree_segment(seq, tree, take))
         logits = [rows.cpu() for rows in self.model.forward(segments)]  # acceptance runs here
         elapsed_ms = (time.perf_counter() - started) * 1000
         for seq in prefilling:
-            seq.prefill_ms = elapsed_ms
+            seq.prefill_ms += elapsed_ms
         return logits
 
     @staticmethod
@@ -48,10 +50,10 @@ class ModelRunner:
         seq.kv = None
 
 
-def tree_segment(seq: Sequence, tree: DraftTree) -> Segment:
-    """pending tokens (causal) + tree nodes, each node seeing the prefix and its ancestors;
-    node position = position after the pending tokens + depth."""
-    pending = seq.pending_input()
+def tree_segment(seq: Sequence, tree: DraftTree, take: int | None = None) -> Segment:
+    """pending tokens (causal; the first `take` of them) + tree nodes, each node seeing the
+    prefix and its ancestors; node position = position after the pending tokens + depth."""
+    pending = seq.pending_input(take)
     past, p, n = seq.num_computed, len(pending), len(tree)
     if n == 0:
         return Segment(seq.kv, pending)

@@ -29,6 +29,9 @@ class Sequence:
     admitted_ms: int
     speculate: bool = True  # False when the request pinned speculation off
     tree_size: int | None = None  # the request's fixed tree size, if it set one
+    session_id: str = ""
+    kv_limit: int | None = None  # KV entries reserved at admission; the buffer stays within
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     output_ids: list[int] = field(default_factory=list)
     num_emitted: int = 0
     kv: SequenceKV | None = None  # the target's KV entries of all_ids[:kv.length]
@@ -52,9 +55,22 @@ class Sequence:
     def num_computed(self) -> int:
         return self.kv.length if self.kv is not None else 0
 
-    def pending_input(self) -> list[int]:
-        """Tokens the model has not seen yet (the prompt at first, then the last token)."""
-        return self.all_ids[self.num_computed :]
+    @property
+    def num_pending(self) -> int:
+        """Tokens the model has not seen yet."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+    @property
+    def prefilling(self) -> bool:
+        """True until the whole prompt is in the KV cache (it may take several chunks)."""
+        return self.num_computed < len(self.prompt_ids)
+
+    def pending_input(self, limit: int | None = None) -> list[int]:
+        """Tokens the model has not seen yet (the prompt at first, then the last token); at
+        most `limit` of them (a prefill chunk)."""
+        start = self.num_computed
+        end = None if limit is None else start + limit
+        return self.all_ids[start:end]
 
     def extend(self, tokens: list[int], finished: Callable[[Sequence], str | None]) -> int:
         """Appends tokens until `finished` names a reason; returns how many were appended."""
@@ -94,6 +110,7 @@ class Sequence:
             "usage": {
                 "prompt_tokens": len(self.prompt_ids),
                 "completion_tokens": len(self.output_ids),
+                "cached_prompt_tokens": self.cached_tokens,
             },
             "timings": {
                 "queue_ms": max(0.0, self.admitted_ms - self.created_ms),

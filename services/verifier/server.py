@@ -16,6 +16,8 @@ from ..common.settings import VerifierSettings
 from ..common.store import RequestStore
 from ..v1 import verifier_pb2 as pb
 from ..v1 import verifier_pb2_grpc as pb_grpc
+from . import metrics
+from .admission import Admission, Refused, kv_budget, kv_need
 from .engine import Engine
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -43,6 +45,7 @@ def sequence_from_record(rec) -> Sequence:
         stop=list(spec.get("stop", [])),
         speculate=speculation.get("mode") != "SPECULATION_MODE_OFF",
         tree_size=int(speculation["tree_size"]) if "tree_size" in speculation else None,
+        session_id=spec.get("session_id", ""),
         queue=rec.queue,
         entry_id=rec.entry_id,
         created_ms=rec.created_ms,
@@ -69,56 +72,81 @@ class VerifierService(pb_grpc.VerifierServicer):
         rid = request.request_id
         if not rid:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        _, running = self.engine.snapshot()
-        if rid in running:
+        admission = self.engine.admission
+        if admission.holds(rid):
             return pb.AdmitResponse(admitted=True, free_slots=self._free())
-        if not self.engine.reserve():
-            return pb.AdmitResponse(admitted=False, free_slots=0)
+        rec = self.store.get(rid)
+        if rec is None or rec.status != "queued":
+            return pb.AdmitResponse(admitted=False, reason="the request is not queued")
+        seq = sequence_from_record(rec)
+        need = kv_need(len(seq.prompt_ids), seq.max_tokens, self.settings.max_seq_len)
         try:
-            if not self.store.claim(rid, self.verifier_id):
-                self.engine.unreserve()
-                return pb.AdmitResponse(admitted=False, free_slots=self._free())
-            rec = self.store.get(rid)
-            seq = sequence_from_record(rec)
+            grant = admission.admit(rid, seq.queue, need, seq.session_id)
+        except Refused as e:
+            return pb.AdmitResponse(admitted=False, free_slots=self._free(), reason=str(e))
+        try:
+            claimed = self.store.claim(rid, self.verifier_id)
         except Exception:
-            self.engine.unreserve()
+            admission.release(rid, seq.session_id, grant.prefix)
             raise
-        self.engine.admit(seq)
-        log.info("admitted", extra={"request_id": rid, "prompt_tokens": len(seq.prompt_ids)})
+        if not claimed:
+            admission.release(rid, seq.session_id, grant.prefix)
+            return pb.AdmitResponse(admitted=False, reason="the request is not queued")
+        self.engine.admit(seq, grant)
+        log.info(
+            "admitted",
+            extra={
+                "request_id": rid,
+                "prompt_tokens": len(seq.prompt_ids),
+                "kv_tokens": grant.tokens,
+                "cached_tokens": seq.cached_tokens,
+            },
+        )
         return pb.AdmitResponse(admitted=True, free_slots=self._free())
 
     def Cancel(self, request, context) -> pb.VerifierCancelResponse:
         return pb.VerifierCancelResponse(found=self.engine.cancel(request.request_id))
 
     def Status(self, request, context) -> pb.VerifierStatus:
-        _, ids = self.engine.snapshot()
+        load = self.engine.admission.load()
         return pb.VerifierStatus(
             verifier_id=self.verifier_id,
-            running=len(ids),
+            running=load["running"],
             capacity=self.settings.batch_size,
-            request_ids=ids,
+            request_ids=self.engine.running_ids(),
             steps=self.engine.steps,
             model=self.model_label,
+            kv_budget=self.engine.admission.kv_budget,
+            kv_reserved=load["kv_reserved"],
+            kv_cached=load["kv_cached"],
         )
 
     def _free(self) -> int:
-        used, _ = self.engine.snapshot()
-        return max(0, self.settings.batch_size - used)
+        return max(0, self.settings.batch_size - self.engine.admission.load()["running"])
+
+    def registry_entry(self, address: str) -> dict:
+        """What the scheduler places by: slots per class, KV budget, limits."""
+        admission = self.engine.admission
+        load = admission.load()
+        metrics.RUNNING.set(load["running"])
+        metrics.KV_RESERVED.set(load["kv_reserved"])
+        metrics.KV_CACHED.set(load["kv_cached"])
+        return {
+            "address": address,
+            "model": self.model_label,
+            "capacity": admission.batch_size,
+            "batch_capacity": admission.batch_slots,
+            "kv_budget": admission.kv_budget,
+            "max_seq_len": self.settings.max_seq_len,
+            **load,
+        }
 
     def heartbeat_forever(self, address: str, stop: threading.Event) -> None:
         period = self.settings.heartbeat_seconds
         while not stop.is_set():
-            used, _ = self.engine.snapshot()
             try:
                 self.store.heartbeat(
-                    self.verifier_id,
-                    {
-                        "address": address,
-                        "capacity": self.settings.batch_size,
-                        "running": used,
-                        "model": self.model_label,
-                    },
-                    ttl_seconds=3 * period,
+                    self.verifier_id, self.registry_entry(address), ttl_seconds=3 * period
                 )
             except Exception:
                 log.exception("heartbeat failed")
@@ -145,14 +173,20 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     speculator = Speculator(
         settings, model.config.vocab_size, client_index=zlib.crc32(vid.encode())
     )
+    flat = FlatModel(model)
+    budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)
+    metrics.KV_BUDGET.set(budget)
     engine = Engine(
-        ModelRunner(FlatModel(model)),
+        ModelRunner(flat),
         speculator,
         store,
-        batch_size=settings.batch_size,
+        Admission(budget, settings.batch_size, settings.interactive_reserved_slots),
         max_seq_len=settings.max_seq_len,
+        max_prefill_tokens=settings.max_prefill_tokens,
         eos_ids=eos_ids,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        verifier_id=vid,
+        prefix_cache=settings.prefix_cache,
     )
     service = VerifierService(settings, engine, store, vid, settings.model.label)
     pb_grpc.add_VerifierServicer_to_server(service, server.grpc)
@@ -170,6 +204,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
             "model": settings.model.label,
             "sha256": manifest.get("sha256", ""),
             "speculative_decoding": settings.speculative_decoding,
+            "kv_budget_tokens": budget,
             "drafters": settings.drafter_addresses,
         },
     )

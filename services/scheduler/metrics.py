@@ -1,0 +1,31 @@
+"""The scheduler's Prometheus metrics (served when `metrics_port` is set)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+SUBMITTED = Counter(
+    "specserve_scheduler_submitted_total", "Requests accepted into a queue.", ["priority"]
+)
+REJECTED = Counter(
+    "specserve_scheduler_rejected_total",
+    "Requests refused at submission because their queue was full.",
+    ["priority"],
+)
+EXPIRED = Counter(
+    "specserve_scheduler_expired_total",
+    "Queued requests ended by their class timeout or deadline.",
+    ["priority"],
+)
+PLACED = Counter("specserve_scheduler_placed_total", "Requests placed on a verifier.", ["priority"])
+SESSION_HITS = Counter(
+    "specserve_scheduler_session_affinity_total",
+    "Requests placed on the verifier holding their session's prefix.",
+)
+QUEUE_DEPTH = Gauge("specserve_scheduler_queue_depth", "Requests waiting.", ["priority"])
+QUEUE_WAIT = Histogram(
+    "specserve_scheduler_queue_wait_seconds",
+    "From submission to placement.",
+    ["priority"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 1800),
+)
