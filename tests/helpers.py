@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.request
 from dataclasses import dataclass, field
 
 from specserve.v1 import common_pb2, generation_pb2
@@ -57,3 +58,14 @@ def make_sequence(
         admitted_ms=0,
         output_ids=list(output or []),
     )
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A service's Prometheus metrics, unlabelled samples only."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    samples = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples

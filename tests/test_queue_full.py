@@ -47,3 +47,20 @@ def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
         channel.close()
     finally:
         cluster.stop()
+
+
+def test_waiting_past_the_class_timeout_is_deadline_exceeded(tmp_path, tiny_model_dir):
+    config = cluster_config(tiny_model_dir, scheduler={"interactive_queue_timeout_seconds": 1})
+    cluster = LocalCluster(config, tmp_path)
+    try:
+        cluster.start(timeout=120, services=("scheduler", "gateway"))
+        with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request(prompt="hi"), timeout=30))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "waited in the interactive queue past 1s" in err.value.details()
+            assert time.monotonic() - started < 10
+    finally:
+        cluster.stop()

@@ -6,29 +6,17 @@ import concurrent.futures as cf
 import signal
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
 
 from conftest import cluster_config
-from helpers import generate, request
+from helpers import generate, request, scrape
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "a b c a b c a b", "SELECT * FROM"]
-
-
-def scrape(port: int) -> dict[str, float]:
-    """A service's Prometheus metrics, unlabelled samples only."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-    samples = {}
-    for line in text.decode().splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 def start(tmp_path, model_dir, draft_dir, **sections):

@@ -7,6 +7,7 @@ Keys (prefix `specserve:`):
                          the last entry has final (JSON)
   queue:{class}   stream one entry per queued request (field rid); consumer group `placement`;
                          acked and deleted when the request ends
+  queued:{class}  int    requests of the class with status queued (the queue length limit)
   verifier:{id}   hash   address, model, capacity, running, batch_capacity, batch_running,
                          kv_budget, kv_reserved, kv_cached, max_seq_len (expires without heartbeats)
   verifiers       set    registered verifier ids
@@ -45,6 +46,10 @@ def queue_key(cls: str) -> str:
     return f"{PREFIX}queue:{cls}"
 
 
+def queued_key(cls: str) -> str:
+    return f"{PREFIX}queued:{cls}"
+
+
 def verifier_key(vid: str) -> str:
     return f"{PREFIX}verifier:{vid}"
 
@@ -68,12 +73,12 @@ def now_ms() -> int:
 # Returns {code, waiting}: code 0 created, 1 existed, 2 queue full.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {1, 0} end
-local pending = redis.call('XPENDING', KEYS[2], ARGV[2])[1]
-local waiting = redis.call('XLEN', KEYS[2]) - pending
+local waiting = tonumber(redis.call('GET', KEYS[3]) or '0')
 if waiting >= tonumber(ARGV[3]) then return {2, waiting} end
 local id = redis.call('XADD', KEYS[2], '*', 'rid', ARGV[6])
 redis.call('HSET', KEYS[1], 'spec', ARGV[1], 'status', 'queued', 'queue', ARGV[4],
            'entry_id', id, 'created_ms', ARGV[5], 'generated', 0)
+redis.call('INCR', KEYS[3])
 return {0, waiting}
 """
 
@@ -81,6 +86,7 @@ return {0, waiting}
 _CLAIM = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'admitted_ms', ARGV[2])
+redis.call('DECR', ARGV[3] .. redis.call('HGET', KEYS[1], 'queue'))
 return 1
 """
 
@@ -96,6 +102,7 @@ if st == 'queued' then
   local e = redis.call('HGET', KEYS[1], 'entry_id')
   redis.call('XACK', ARGV[2] .. q, ARGV[3], e)
   redis.call('XDEL', ARGV[2] .. q, e)
+  redis.call('DECR', ARGV[7] .. q)
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
   return {1, ''}
@@ -148,7 +155,7 @@ class RequestStore:
     def create(self, rid: str, spec: dict[str, Any], cls: str, limit: int) -> tuple[int, int]:
         """Persists and queues a request. Returns (code, waiting): 0 created, 1 existed, 2 full."""
         code, waiting = self._create(
-            keys=[req_key(rid), queue_key(cls)],
+            keys=[req_key(rid), queue_key(cls), queued_key(cls)],
             args=[json.dumps(spec), GROUP, limit, cls, now_ms(), rid],
         )
         return int(code), int(waiting)
@@ -181,6 +188,7 @@ class RequestStore:
                 RESULT_TTL_SECONDS,
                 status,
                 int(flag_running),
+                f"{PREFIX}queued:",
             ],
         )
         return int(state), owner or ""
@@ -192,12 +200,8 @@ class RequestStore:
         return [fields["rid"] for _, fields in entries if "rid" in fields]
 
     def waiting_count(self, cls: str) -> int:
-        """Requests of the class not yet placed (entries not yet read by the placement)."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.xlen(queue_key(cls))
-        pipe.xpending(queue_key(cls), GROUP)
-        length, pending = pipe.execute()
-        return length - int(pending["pending"])
+        """Requests of the class queued and not yet running."""
+        return int(self.r.get(queued_key(cls)) or 0)
 
     def live_verifiers(self) -> list[dict[str, str]]:
         """Registered verifiers whose heartbeat has not expired."""
@@ -230,7 +234,7 @@ class RequestStore:
         self.r.delete(verifier_key(vid))
 
     def claim(self, rid: str, vid: str) -> bool:
-        return bool(self._claim(keys=[req_key(rid)], args=[vid, now_ms()]))
+        return bool(self._claim(keys=[req_key(rid)], args=[vid, now_ms(), f"{PREFIX}queued:"]))
 
     def get(self, rid: str) -> RequestRecord | None:
         h = self.r.hgetall(req_key(rid))

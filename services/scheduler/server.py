@@ -168,7 +168,7 @@ class Placer:
         """Places waiting requests until none fits; True if any was placed."""
         loads = parse_verifiers(self.store.live_verifiers())
         placed, blocked = False, set()
-        if not loads:  # nothing read from the queues: their length limits count it all
+        if not loads:
             blocked.update(QUEUE_CLASSES)
         while len(blocked) < len(QUEUE_CLASSES):
             batch_waiting = "batch" not in blocked and self._head("batch") is not None
@@ -184,9 +184,7 @@ class Placer:
             elif batch_waiting:
                 self.streak += 1
         for cls in QUEUE_CLASSES:
-            metrics.QUEUE_DEPTH.labels(cls).set(
-                len(self.waiting[cls]) + self.store.waiting_count(cls)
-            )
+            metrics.QUEUE_DEPTH.labels(cls).set(self.store.waiting_count(cls))
         return placed
 
     def _head(self, cls: str) -> tuple[str, str] | None:

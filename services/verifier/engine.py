@@ -163,6 +163,7 @@ class Engine:
                 take = min(take, budget)
                 budget -= take
                 metrics.PREFILL_TOKENS.inc(take)
+                metrics.PREFILL_CHUNKS.inc(take > 0)
             if take:
                 plan.append((seq, take))
         return plan

@@ -33,6 +33,10 @@ BATCH_SIZE = Histogram(
     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
 )
 PREFILL_TOKENS = Counter("specserve_verifier_prefill_tokens_total", "Prompt tokens prefilled.")
+PREFILL_CHUNKS = Counter(
+    "specserve_verifier_prefill_chunks_total",
+    "Prompt pieces prefilled (one per sequence per step).",
+)
 PREFIX_CACHE_TOKENS = Counter(
     "specserve_verifier_prefix_cache_tokens_total",
     "Prompt tokens whose KV was taken from the prefix cache instead of computed.",

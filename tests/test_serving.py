@@ -1,0 +1,245 @@
+"""Serving under load through the whole cluster: continuous batching with chunked prefill, the KV
+budget, priority classes, session affinity with the prefix cache, the result cache."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import threading
+import time
+
+import grpc
+import pytest
+import redis
+
+from conftest import cluster_config
+from helpers import generate, request, scrape
+from specserve.common.store import queued_key, req_key
+from specserve.local_cluster import LocalCluster
+from specserve.v1 import (
+    common_pb2,
+    generation_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
+from specserve.verifier.reference import hf_greedy
+
+BATCH = common_pb2.PRIORITY_CLASS_BATCH
+
+
+@pytest.fixture
+def cluster_of(tmp_path, tiny_model_dir):
+    """Starts a cluster of the tiny model with extra config; stops it (and its channels)."""
+    started = []
+
+    def start(services=None, **sections) -> tuple[LocalCluster, generation_pb2_grpc.GenerationStub]:
+        config = cluster_config(tiny_model_dir, **sections)
+        cluster = LocalCluster(config, tmp_path / f"c{len(started)}")
+        started.append(cluster)
+        cluster.start(timeout=180, **({"services": services} if services else {}))
+        channel = grpc.insecure_channel(cluster.procs["gateway"].address)
+        cluster.channels = [channel]
+        return cluster, generation_pb2_grpc.GenerationStub(channel)
+
+    yield start
+    for cluster in started:
+        for channel in getattr(cluster, "channels", []):
+            channel.close()
+        cluster.stop()
+
+
+def verifier_status(cluster, key: str = "verifier") -> verifier_pb2.VerifierStatus:
+    with grpc.insecure_channel(cluster.procs[key].address) as channel:
+        return verifier_pb2_grpc.VerifierStub(channel).Status(
+            verifier_pb2.VerifierStatusRequest(), timeout=10
+        )
+
+
+def test_sequences_joining_and_leaving_mid_batch_keep_greedy_outputs(
+    cluster_of, tiny_model, tokenizer
+):
+    """Staggered arrivals, different lengths, prompts prefilled in chunks of 8 tokens next to
+    running decodes: every output is what the model gives the request alone."""
+    cluster, stub = cluster_of(
+        verifier={"max_prefill_tokens": 8, "batch_size": 3, "metrics_port": 0}
+    )
+    rng = random.Random(7)
+    texts = ["def quicksort(xs):", "The quick brown fox", "SELECT name FROM users WHERE"]
+    jobs = []
+    for i in range(7):
+        ids = tokenizer(texts[i % 3] * (1 + i % 3)).input_ids + [rng.randrange(1000)] * (i * 3)
+        jobs.append((ids, rng.randrange(5, 40), rng.random() * 0.4))
+
+    def run(job):
+        ids, max_tokens, delay = job
+        time.sleep(delay)
+        return generate(stub, request(prompt_ids=ids, max_tokens=max_tokens))
+
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    for (ids, max_tokens, _), res in zip(jobs, results, strict=True):
+        assert res.ids == hf_greedy(tiny_model, ids, max_tokens)
+    metrics = scrape(cluster.procs["verifier"].metrics_port)
+    chunks = sum(-(-len(ids) // 8) for ids, _, _ in jobs)
+    assert metrics["specserve_verifier_prefill_chunks_total"] >= chunks
+    assert metrics["specserve_verifier_prefill_tokens_total"] == sum(len(j[0]) for j in jobs)
+    assert metrics["specserve_verifier_batch_size_sum"] > metrics["specserve_verifier_steps_total"]
+
+
+def test_the_kv_budget_queues_a_flood_and_rejects_what_can_never_fit(cluster_of, tokenizer):
+    budget = 330
+    cluster, stub = cluster_of(verifier={"kv_budget_tokens": budget, "batch_size": 4})
+    ids = tokenizer("def add(a, b):\n    return a + b\n" * 2).input_ids
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request(prompt_ids=ids, max_tokens=budget), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "KV cache" in err.value.details() and "lower max_tokens" in err.value.details()
+
+    need = len(ids) + 80  # three fit at once, not four
+    assert 3 * need <= budget < 4 * need
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(verifier_status(cluster))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with cf.ThreadPoolExecutor(12) as pool:
+            results = list(
+                pool.map(
+                    lambda i: generate(stub, request(prompt_ids=ids, max_tokens=80)), range(12)
+                )
+            )
+    finally:
+        done.set()
+        watcher.join()
+    assert all(len(r.ids) == 80 for r in results)
+    assert len({tuple(r.ids) for r in results}) == 1
+    assert max(s.running for s in seen) == 3
+    assert all(s.kv_reserved <= s.kv_budget == budget for s in seen)
+    assert cluster.procs["verifier"].popen.poll() is None
+
+
+def test_an_interactive_request_starts_within_a_few_steps_behind_a_full_batch_queue(
+    cluster_of, tokenizer
+):
+    cluster, stub = cluster_of(
+        verifier={"batch_size": 3, "interactive_reserved_slots": 1},
+        scheduler={"batch_queue_limit": 8},
+        gateway={"max_tokens_limit": 2000},
+    )
+    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    ids = tokenizer("import os\n").input_ids
+    long = request(prompt_ids=ids, max_tokens=2000, priority=BATCH)
+    batch = [stub.Generate(long, timeout=120) for _ in range(2)]
+    for call in batch:
+        next(call)  # both batch slots are busy
+    batch += [stub.Generate(long, timeout=120) for _ in range(8)]
+    deadline = time.monotonic() + 30
+    while r.get(queued_key("batch")) != "8":
+        assert time.monotonic() < deadline, "the batch work did not queue up"
+        time.sleep(0.01)
+    with pytest.raises(grpc.RpcError) as err:  # the batch queue is full
+        list(stub.Generate(request(prompt_ids=ids, max_tokens=5, priority=BATCH), timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    before = verifier_status(cluster).steps
+    stream = stub.Generate(request(prompt_ids=ids, max_tokens=5), timeout=60)
+    next(stream)
+    waited = verifier_status(cluster).steps - before
+    list(stream)
+    # The batch requests run 2000 steps each: without the reserved slot this waits that long.
+    assert waited < 200, f"the interactive request waited {waited} steps"
+    assert int(r.get(queued_key("batch"))) >= 6  # it went first
+    for call in batch:
+        call.cancel()
+
+
+def test_waiting_batch_work_is_placed_after_a_bounded_run_of_interactive_work(
+    cluster_of, tokenizer
+):
+    cluster, stub = cluster_of(
+        verifier={"batch_size": 1, "interactive_reserved_slots": 0},
+        scheduler={"interactive_burst": 2},
+    )
+    ids = tokenizer("x = 1\n").input_ids
+    first = stub.Generate(request(prompt_ids=ids, max_tokens=200, request_id="i0"), timeout=120)
+    next(first)  # the one slot is busy; what follows waits
+    later = [
+        stub.Generate(request(prompt_ids=ids, max_tokens=10, request_id=f"i{n}"), timeout=120)
+        for n in range(1, 7)
+    ]
+    time.sleep(0.3)
+    batch = stub.Generate(
+        request(prompt_ids=ids, max_tokens=10, request_id="b", priority=BATCH), timeout=120
+    )
+    time.sleep(0.3)
+    more = [
+        stub.Generate(request(prompt_ids=ids, max_tokens=10, request_id=f"j{n}"), timeout=120)
+        for n in range(4)
+    ]
+    for call in [first, *later, batch, *more]:
+        list(call)
+    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    admitted = {
+        rid: int(r.hget(req_key(rid), "admitted_ms"))
+        for rid in ["b", *(f"i{n}" for n in range(7)), *(f"j{n}" for n in range(4))]
+    }
+    order = sorted(admitted, key=admitted.get)
+    # i0 was running; then at most `interactive_burst` (2) interactive ones before b.
+    assert order.index("b") <= 3, order
+
+
+def test_a_continued_session_reuses_its_prefix_on_the_verifier_that_holds_it(
+    cluster_of, tiny_model, tokenizer
+):
+    cluster, stub = cluster_of()
+    cluster.start_service("verifier", instance="verifier2")
+    cluster.wait_ready("verifier2", 120)
+    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    while len(r.smembers("specserve:verifiers")) < 2:
+        time.sleep(0.1)
+    turn1 = tokenizer("User: write a function that adds two numbers\nAssistant:").input_ids
+    res1 = generate(stub, request(prompt_ids=turn1, max_tokens=24, session_id="chat-1"))
+    owner = r.hget(req_key(res1.chunks[0].request_id), "owner")
+    assert res1.final.usage.cached_prompt_tokens == 0
+
+    # Load the session's verifier, so that least-loaded placement alone would go elsewhere.
+    busy = stub.Generate(request(prompt_ids=turn1, max_tokens=1000, request_id="busy"), timeout=120)
+    next(busy)
+    assert r.hget(req_key("busy"), "owner") == owner  # idle verifiers tie: the first again
+    turn2 = turn1 + res1.ids + tokenizer("\nUser: now three numbers\nAssistant:").input_ids
+    res2 = generate(stub, request(prompt_ids=turn2, max_tokens=24, session_id="chat-1"))
+    rid2 = res2.chunks[0].request_id
+    assert r.hget(req_key(rid2), "owner") == owner
+    # Everything the first turn computed: its prompt and all but its last token.
+    assert res2.final.usage.cached_prompt_tokens == len(turn1) + len(res1.ids) - 1
+    assert res2.ids == hf_greedy(tiny_model, turn2, 24)
+    busy.cancel()
+
+    alone = generate(stub, request(prompt_ids=turn2, max_tokens=24))
+    assert alone.final.usage.cached_prompt_tokens == 0
+    assert alone.ids == res2.ids
+
+
+def test_the_result_cache_replays_deterministic_requests_only(gateway, tokenizer):
+    ids = tokenizer("for i in range(10):").input_ids
+    greedy = request(prompt_ids=ids, max_tokens=12, use_result_cache=True, stop=["\n\n"])
+    plain, again = generate(gateway, greedy), generate(gateway, greedy)
+    assert not plain.final.cached and again.final.cached
+    assert (again.ids, again.text) == (plain.ids, plain.text)
+    assert again.final.usage == plain.final.usage
+    assert again.final.finish_reason == plain.final.finish_reason
+    not_opted = generate(gateway, request(prompt_ids=ids, max_tokens=12, stop=["\n\n"]))
+    assert not not_opted.final.cached and not_opted.ids == plain.ids
+
+    unseeded = common_pb2.SamplingParams(temperature=1.0)
+    req = request(prompt_ids=ids, max_tokens=12, use_result_cache=True, sampling=unseeded)
+    assert not any(generate(gateway, req).final.cached for _ in range(2))
+    seeded = common_pb2.SamplingParams(temperature=1.0, seed=5)
+    req = request(prompt_ids=ids, max_tokens=12, use_result_cache=True, sampling=seeded)
+    first, again = generate(gateway, req), generate(gateway, req)
+    assert again.final.cached and again.ids == first.ids
