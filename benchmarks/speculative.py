@@ -95,6 +95,7 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
             "batch_size": 1,
             "torch_threads": threads,
             "speculative_decoding": True,
+            "speculation_policy": "fixed",  # the tree shapes measured here, every step
             "drafter_addresses": [f"127.0.0.1:{drafter_port}"],
             "draft_timeout_seconds": 60,
             "breaker_cooldown_seconds": 0,

@@ -114,3 +114,9 @@ def test_deadline_exceeded_reaches_the_client(gateway):
     with pytest.raises(grpc.RpcError) as err:
         generate(gateway, request(prompt=PROMPTS[0], max_tokens=1000), timeout=0.3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_request_without_a_deadline_is_served(gateway):
+    """No client deadline: gRPC reports an unbounded time remaining, which is not a deadline."""
+    chunks = list(gateway.Generate(request(prompt="x = ", max_tokens=3)))
+    assert chunks[-1].final.usage.completion_tokens == 3

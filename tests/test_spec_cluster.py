@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+import redis
 
 from conftest import cluster_config
 from helpers import generate, request, scrape
@@ -21,7 +22,9 @@ PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "a b c a b c a b", "SELE
 
 def start(tmp_path, model_dir, draft_dir, **sections):
     config = cluster_config(model_dir, **sections)
-    config["verifier"].update(speculative_decoding=True, verification_tree_size=8)
+    config["verifier"].update(
+        speculative_decoding=True, verification_tree_size=8, speculation_policy="fixed"
+    )
     config["drafter"].update(draft_model_path=str(draft_dir))
     return LocalCluster(config, tmp_path).start(timeout=180)
 
@@ -173,5 +176,55 @@ def test_a_stalled_drafter_is_not_waited_for(
         res = generate(stub, request(prompt_ids=ids, max_tokens=40))
         assert res.ids == got[:40]
         assert res.final.speculation.drafted_tokens > 0
+    finally:
+        cluster.stop()
+
+
+def test_drafters_join_and_leave_while_requests_stream(
+    tmp_path, stub_of, tiny_model_dir, tiny_model, tokenizer
+):
+    cluster = start(
+        tmp_path,
+        tiny_model_dir,
+        tiny_model_dir,
+        drafter={"metrics_port": 0},
+        verifier={"metrics_port": 0, "breaker_failures": 2, "breaker_cooldown_seconds": 0.5},
+    )
+    try:
+        stub = stub_of(cluster)
+        jobs = [tokenizer(p).input_ids for p in PROMPTS]
+        expected = {tuple(ids): hf_greedy(tiny_model, ids, 300) for ids in jobs}
+        verifier_metrics = cluster.procs["verifier"].metrics_port
+
+        def run_all(during=None) -> None:
+            streams = [stub.Generate(request(prompt_ids=ids, max_tokens=300)) for ids in jobs]
+            firsts = [next(s) for s in streams]
+            if during:
+                during()
+            for ids, first, stream in zip(jobs, firsts, streams, strict=True):
+                got = list(first.token_ids) + [t for c in stream for t in c.token_ids]
+                assert got == expected[tuple(ids)]
+
+        # A second drafter joins: the verifier finds it in the registry, without a restart.
+        cluster.start_service("drafter", instance="drafter2")
+        registry = redis.Redis.from_url(cluster.redis_url)
+        while registry.scard("specserve:drafters") < 2:
+            time.sleep(0.1)
+        run_all()
+        assert scrape(verifier_metrics)["specserve_verifier_drafters"] == 2
+        proposals = {
+            key: scrape(cluster.procs[key].metrics_port)["specserve_drafter_propose_seconds_count"]
+            for key in ("drafter", "drafter2")
+        }
+        assert min(proposals.values()) > 0, proposals  # both took sequences
+
+        # One is killed mid-stream: its sequences resync on the other; nothing fails.
+        run_all(during=lambda: cluster.kill("drafter"))
+        after = scrape(cluster.procs["drafter2"].metrics_port)
+        assert after["specserve_drafter_propose_seconds_count"] > proposals["drafter2"]
+        # The last one leaves with SIGTERM: plain decoding carries on.
+        run_all(during=lambda: cluster.kill("drafter2", signal.SIGTERM))
+        res = generate(stub, request(prompt_ids=jobs[0], max_tokens=20))
+        assert res.ids == expected[tuple(jobs[0])][:20]
     finally:
         cluster.stop()

@@ -91,6 +91,7 @@ def test_fallback_drafts_locally_when_no_drafter_answers():
         drafter_addresses=["127.0.0.1:1"],  # nothing listens there
         fallback_mode="ngram",
         verification_tree_size=4,
+        speculation_policy="fixed",
         draft_timeout_seconds=2,
         breaker_failures=1,
         breaker_cooldown_seconds=60,

@@ -162,7 +162,12 @@ class VerifierSettings(ServiceSettings):
     speculative_decoding: bool = Field(
         default=False, description="Ask drafters for trees; off = plain decoding."
     )
-    drafter_addresses: list[str] = Field(default=[], description="Drafters to stream with.")
+    drafter_addresses: list[str] = Field(
+        default=[], description="Drafters to stream with, besides those registered in Redis."
+    )
+    discover_drafters: bool = Field(
+        default=True, description="Also use the drafters registered in Redis (added live)."
+    )
     verification_tree_size: int = Field(
         default=8, ge=0, le=256, description="Draft tree nodes per sequence per step."
     )
@@ -196,6 +201,10 @@ class DrafterSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_DRAFTER_", extra="forbid")
 
     port: int = Field(default=50054, ge=0, le=65535)
+    advertise_address: str | None = Field(
+        default=None,
+        description="Address verifiers dial (registered in Redis); host:port if unset.",
+    )
     proposer: Literal["draft_model", "ngram", "hybrid"] = "draft_model"
     draft_model: ModelRef = ModelRef(name="qwen2.5-coder-0.5b-instruct", version="0.9.0")
     draft_model_path: str | None = Field(default=None, description="Overrides draft_model.")

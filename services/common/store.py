@@ -11,6 +11,8 @@ Keys (prefix `specserve:`):
   verifier:{id}   hash   address, model, capacity, running, batch_capacity, batch_running,
                          kv_budget, kv_reserved, kv_cached, max_seq_len (expires without heartbeats)
   verifiers       set    registered verifier ids
+  drafter:{id}    hash   address (expires without heartbeats)
+  drafters        set    registered drafter ids
   result:{hash}   hash   ids, final (JSON) of a finished deterministic request (result cache, TTL)
   session:{sid}   string id of the verifier whose prefix cache holds the session's last turn
 
@@ -21,11 +23,16 @@ expired (waited past its class timeout or its deadline).
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+
+log = logging.getLogger(__name__)
 
 PREFIX = "specserve:"
 GROUP = "placement"
@@ -50,8 +57,12 @@ def queued_key(cls: str) -> str:
     return f"{PREFIX}queued:{cls}"
 
 
-def verifier_key(vid: str) -> str:
-    return f"{PREFIX}verifier:{vid}"
+def member_key(kind: str, member_id: str) -> str:
+    return f"{PREFIX}{kind}:{member_id}"
+
+
+def members_key(kind: str) -> str:
+    return f"{PREFIX}{kind}s"
 
 
 def result_key(key: str) -> str:
@@ -60,9 +71,6 @@ def result_key(key: str) -> str:
 
 def session_key(sid: str) -> str:
     return f"{PREFIX}session:{sid}"
-
-
-VERIFIERS_KEY = f"{PREFIX}verifiers"
 
 
 def now_ms() -> int:
@@ -205,33 +213,36 @@ class RequestStore:
 
     def live_verifiers(self) -> list[dict[str, str]]:
         """Registered verifiers whose heartbeat has not expired."""
-        ids = sorted(self.r.smembers(VERIFIERS_KEY))
+        return self.live("verifier")
+
+    def live(self, kind: str) -> list[dict[str, str]]:
+        """Registered members of a kind (verifier, drafter) whose heartbeat has not expired."""
+        ids = sorted(self.r.smembers(members_key(kind)))
         pipe = self.r.pipeline(transaction=False)
-        for vid in ids:
-            pipe.hgetall(verifier_key(vid))
+        for member in ids:
+            pipe.hgetall(member_key(kind, member))
         out = []
-        for vid, info in zip(ids, pipe.execute(), strict=True):
+        for member, info in zip(ids, pipe.execute(), strict=True):
             if info:
-                out.append({"id": vid, **info})
+                out.append({"id": member, **info})
             else:
-                self.r.srem(VERIFIERS_KEY, vid)
+                self.r.srem(members_key(kind), member)
         return out
 
-    def session_owner(self, sid: str) -> str | None:
-        """The verifier holding the session's cached prefix, if any."""
-        return self.r.get(session_key(sid)) if sid else None
-
     # --- verifier side --------------------------------------------------------------------
-    def heartbeat(self, vid: str, info: dict[str, Any], ttl_seconds: float) -> None:
+    def heartbeat(
+        self, member_id: str, info: dict[str, Any], ttl_seconds: float, kind: str = "verifier"
+    ) -> None:
+        """Registers a member of a kind with its info; it expires without the next beat."""
         pipe = self.r.pipeline(transaction=True)
-        pipe.sadd(VERIFIERS_KEY, vid)
-        pipe.hset(verifier_key(vid), mapping=info)
-        pipe.pexpire(verifier_key(vid), int(ttl_seconds * 1000))
+        pipe.sadd(members_key(kind), member_id)
+        pipe.hset(member_key(kind, member_id), mapping=info)
+        pipe.pexpire(member_key(kind, member_id), int(ttl_seconds * 1000))
         pipe.execute()
 
-    def deregister(self, vid: str) -> None:
-        self.r.srem(VERIFIERS_KEY, vid)
-        self.r.delete(verifier_key(vid))
+    def deregister(self, member_id: str, kind: str = "verifier") -> None:
+        self.r.srem(members_key(kind), member_id)
+        self.r.delete(member_key(kind, member_id))
 
     def claim(self, rid: str, vid: str) -> bool:
         return bool(self._claim(keys=[req_key(rid)], args=[vid, now_ms(), f"{PREFIX}queued:"]))
@@ -320,3 +331,24 @@ class RequestStore:
         )
         pipe.pexpire(result_key(key), int(ttl_seconds * 1000))
         pipe.execute()
+
+
+def heartbeat_forever(
+    store: RequestStore,
+    kind: str,
+    member_id: str,
+    info: Callable[[], dict[str, Any]],
+    period: float,
+    stop: threading.Event,
+) -> None:
+    """Keeps a member registered (ttl: three periods) until `stop` is set; then removes it."""
+    while not stop.is_set():
+        try:
+            store.heartbeat(member_id, info(), ttl_seconds=3 * period, kind=kind)
+        except Exception:
+            log.exception("heartbeat failed", extra={"kind": kind})
+        stop.wait(period)
+    try:
+        store.deregister(member_id, kind)
+    except redis.RedisError:
+        log.warning("deregistration failed; the entry expires", extra={"kind": kind})

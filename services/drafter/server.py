@@ -9,6 +9,7 @@ import torch
 
 from ..common.grpc_server import Server
 from ..common.settings import DrafterSettings
+from ..common.store import RequestStore, heartbeat_forever
 from ..common.tree import to_proto
 from ..v1 import drafter_pb2, drafter_pb2_grpc
 from . import metrics
@@ -72,6 +73,28 @@ def build(settings: DrafterSettings):
     )
     drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterService(proposer), server.grpc)
     server.start()
+    # Registered, verifiers find this drafter without a restart; gone, they move its sequences.
+    address = settings.advertise_address or f"{settings.host}:{server.port}"
+    store = RequestStore.from_url(settings.redis_url)
+    stop = threading.Event()
+    heartbeat = threading.Thread(
+        target=heartbeat_forever,
+        args=(
+            store,
+            "drafter",
+            address,
+            lambda: {"address": address, "proposer": settings.proposer},
+        ),
+        kwargs={"period": settings.heartbeat_seconds, "stop": stop},
+        name="heartbeat",
+        daemon=True,
+    )
+    heartbeat.start()
     server.set_serving(True)
-    log.info("drafter ready", extra={"port": server.port, "proposer": settings.proposer})
-    return server, lambda: None
+    log.info("drafter ready", extra={"address": address, "proposer": settings.proposer})
+
+    def on_stop() -> None:
+        stop.set()
+        heartbeat.join(timeout=5)
+
+    return server, on_stop

@@ -30,6 +30,7 @@ from .validation import (
 log = logging.getLogger(__name__)
 
 TAIL_BLOCK_MS = 500
+NO_DEADLINE_SECONDS = 10 * 365 * 86400  # a client deadline further out than this is none
 REGISTRY_TTL_SECONDS = 1.0  # how long the verifiers' largest KV budget is reused
 # Statuses of the scheduler's that the client can act on, passed through as they are.
 PASS_THROUGH = (
@@ -207,8 +208,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         check_prompt_length(len(ids), self.limits)
         max_tokens = req.max_tokens or self.limits.default_max_tokens
         check_fits(len(ids), max_tokens, self._largest_verifier())
-        remaining = context.time_remaining()
-        deadline_ms = int((time.time() + remaining) * 1000) if remaining else 0
+        remaining = context.time_remaining()  # huge (not None) when the client set no deadline
+        has_deadline = remaining is not None and remaining < NO_DEADLINE_SECONDS
+        deadline_ms = int((time.time() + remaining) * 1000) if has_deadline else 0
         priority = req.priority or common_pb2.PRIORITY_CLASS_INTERACTIVE
         return scheduler_pb2.SubmitRequest(
             request_id=req.request_id or uuid.uuid4().hex,

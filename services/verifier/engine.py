@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import redis
@@ -130,11 +131,15 @@ class Engine:
             seqs, takes = [s for s, _ in plan], [t for _, t in plan]
             complete = [take == seq.num_pending for seq, take in plan]
             metrics.BATCH_SIZE.observe(len(seqs))
+            prefill = sum(t for (s, t) in plan if s.prefilling)
             with metrics.DRAFT_SECONDS.time():
-                trees = self.speculator.propose(seqs)
+                trees = self.speculator.propose(seqs, prefill)
             try:
-                with metrics.VERIFY_SECONDS.time():
-                    logits = self.runner.verify(seqs, trees, takes)
+                started = time.perf_counter()
+                logits = self.runner.verify(seqs, trees, takes)
+                elapsed = time.perf_counter() - started
+                metrics.VERIFY_SECONDS.observe(elapsed)
+                self.speculator.observe_step(sum(takes) + sum(map(len, trees)), elapsed)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 log.exception("forward failed", extra={"requests": len(seqs)})
                 for seq in seqs:
@@ -173,6 +178,11 @@ class Engine:
         self.runner.commit(seq, tree, verdict.accepted)
         emitted = seq.extend(verdict.tokens, self._finished)
         accepted = min(len(verdict.accepted), emitted)
+        if len(tree):  # the path was checked up to its first rejection, if it had one
+            levels = max(tree.depths()) + 1
+            self.speculator.observe_acceptance(
+                seq, len(verdict.accepted), len(verdict.accepted) + (len(verdict.accepted) < levels)
+            )
         seq.accepted += accepted
         seq.steps += 1
         metrics.DRAFTED_TOKENS.inc(len(tree))

@@ -52,3 +52,4 @@ TREE_BUDGET = Histogram(
     "Draft tree nodes asked for per sequence per step (0: plain decoding).",
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
 )
+DRAFTERS = Gauge("specserve_verifier_drafters", "Drafters this verifier streams with.")

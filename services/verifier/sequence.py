@@ -42,6 +42,7 @@ class Sequence:
     steps: int = 0
     drafted: int = 0  # draft nodes proposed to the target
     accepted: int = 0  # draft tokens the target accepted (and were emitted)
+    tested: int = 0  # draft tokens the target checked: accepted ones and first rejections
     fallback_steps: int = 0
     prefill_ms: float = 0.0
     first_token_ms: float = 0.0  # unix ms of the first generated token

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import zlib
 
 import grpc
 import torch
@@ -13,7 +12,7 @@ from ..common import models
 from ..common.flat_model import FlatModel
 from ..common.grpc_server import Server
 from ..common.settings import VerifierSettings
-from ..common.store import RequestStore
+from ..common.store import RequestStore, heartbeat_forever
 from ..v1 import verifier_pb2 as pb
 from ..v1 import verifier_pb2_grpc as pb_grpc
 from . import metrics
@@ -141,17 +140,6 @@ class VerifierService(pb_grpc.VerifierServicer):
             **load,
         }
 
-    def heartbeat_forever(self, address: str, stop: threading.Event) -> None:
-        period = self.settings.heartbeat_seconds
-        while not stop.is_set():
-            try:
-                self.store.heartbeat(
-                    self.verifier_id, self.registry_entry(address), ttl_seconds=3 * period
-                )
-            except Exception:
-                log.exception("heartbeat failed")
-            stop.wait(period)
-
 
 def build(settings: VerifierSettings) -> tuple[Server, callable]:
     if settings.torch_threads:
@@ -171,7 +159,9 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     address = settings.advertise_address or f"{settings.host}:{server.port}"
     vid = settings.verifier_id or address
     speculator = Speculator(
-        settings, model.config.vocab_size, client_index=zlib.crc32(vid.encode())
+        settings,
+        model.config.vocab_size,
+        discover=lambda: [d["address"] for d in store.live("drafter") if "address" in d],
     )
     flat = FlatModel(model)
     budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)
@@ -193,9 +183,14 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     stop_hb = threading.Event()
     engine.start()
     server.start()
-    threading.Thread(
-        target=service.heartbeat_forever, args=(address, stop_hb), name="heartbeat", daemon=True
-    ).start()
+    heartbeat = threading.Thread(
+        target=heartbeat_forever,
+        args=(store, "verifier", vid, lambda: service.registry_entry(address)),
+        kwargs={"period": settings.heartbeat_seconds, "stop": stop_hb},
+        name="heartbeat",
+        daemon=True,
+    )
+    heartbeat.start()
     server.set_serving(True)
     log.info(
         "verifier ready",
@@ -211,7 +206,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
 
     def on_stop() -> None:
         stop_hb.set()
-        store.deregister(vid)
+        heartbeat.join(timeout=5)
         engine.stop()
         speculator.close()
 

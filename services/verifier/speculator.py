@@ -21,6 +21,7 @@ from ..common.tree import DraftTree, from_proto
 from ..drafter.proposers import NgramProposer, TreeShape
 from ..v1 import drafter_pb2, drafter_pb2_grpc
 from . import metrics
+from .policy import AdaptivePolicy, Candidate
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -31,41 +32,44 @@ class DraftUnavailable(Exception):
 
 
 class DrafterClient:
-    """A Speculate stream to one of the configured drafters, reopened on failure (next address).
+    """A Speculate stream to one drafter, opened on demand and reopened after a failure.
 
     `epoch` changes whenever a new stream opens: the drafter behind it knows nothing yet."""
 
-    def __init__(self, addresses: list[str], first: int = 0):
-        self.addresses = addresses
-        self._next = first % len(addresses)
+    def __init__(self, address: str):
+        self.address = address
         self.epoch = 0
-        self.address = ""
         self._channel: grpc.Channel | None = None
         self._requests: queue.Queue | None = None
         self._responses: queue.Queue = queue.Queue()
 
-    def exchange(self, request: drafter_pb2.DraftRequest, timeout: float):
-        """Sends one step's request; returns the drafter's answer to it."""
+    @property
+    def is_open(self) -> bool:
+        return self._requests is not None
+
+    def send(self, request: drafter_pb2.DraftRequest) -> None:
         if self._requests is None:
             raise DraftUnavailable("stream not open")
         self._requests.put(request)
-        deadline = time.monotonic() + timeout
+
+    def receive(self, step: int, deadline: float):
+        """The drafter's answer to `step`, waiting until the monotonic `deadline`."""
+        if self._requests is None:
+            raise DraftUnavailable("stream not open")
         while True:
             try:
                 item = self._responses.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise DraftUnavailable(f"no drafts within {timeout:.2f}s") from None
+                raise DraftUnavailable("no drafts in time") from None
             if isinstance(item, Exception):
                 self.close()
                 raise DraftUnavailable(f"drafter stream failed: {item}") from None
-            if item.step == request.step:
+            if item.step == step:
                 return item
             # an answer to an earlier step that missed its deadline: drop it
 
     def open(self) -> None:
         self.close()
-        self.address = self.addresses[self._next]
-        self._next = (self._next + 1) % len(self.addresses)
         self.epoch += 1
         self._channel = grpc.insecure_channel(self.address)
         requests: queue.Queue = queue.Queue()
@@ -83,10 +87,6 @@ class DrafterClient:
             responses.put(ConnectionError("drafter closed the stream"))
         except grpc.RpcError as e:
             responses.put(ConnectionError(f"{e.code().name}: {e.details()}"))
-
-    @property
-    def is_open(self) -> bool:
-        return self._requests is not None
 
     def close(self) -> None:
         if self._requests is not None:
@@ -120,118 +120,269 @@ class CircuitBreaker:
             self.opened_at = self.clock()
 
 
+class DrafterPool:
+    """The drafters one verifier streams with: the configured ones plus those registered in
+    Redis (`discover`, refreshed every `refresh_seconds`), each with its own breaker.
+
+    A sequence sticks to the drafter that holds its draft state while that drafter is usable;
+    a new one (or one whose drafter failed or left) goes to the usable drafter with the fewest
+    sequences, and resyncs there."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        discover,
+        breaker: tuple[int, float],
+        refresh_seconds: float = 1.0,
+    ):
+        self.static = list(addresses)
+        self.discover = discover
+        self.breaker_args = breaker
+        self.refresh_seconds = refresh_seconds
+        self.clients: dict[str, DrafterClient] = {}
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self.assigned: dict[str, str] = {}  # sequence id -> drafter address
+        self._refreshed = -float("inf")
+        self._set(self.static)
+
+    def refresh(self) -> None:
+        if self.discover is None or time.monotonic() - self._refreshed < self.refresh_seconds:
+            return
+        self._refreshed = time.monotonic()
+        try:
+            found = self.discover()
+        except Exception as e:  # the registry is an addition: keep the drafters we have
+            log.warning("drafter discovery failed", extra={"error": str(e)})
+            return
+        self._set(self.static + [a for a in found if a not in self.static])
+
+    def _set(self, addresses: list[str]) -> None:
+        for address in addresses:
+            if address not in self.clients:
+                log.info("drafter added", extra={"address": address})
+                self.clients[address] = DrafterClient(address)
+                self.breakers[address] = CircuitBreaker(*self.breaker_args)
+        for address in [a for a in self.clients if a not in addresses]:
+            log.info("drafter removed", extra={"address": address})
+            self.clients.pop(address).close()
+            del self.breakers[address]
+        metrics.DRAFTERS.set(len(self.clients))
+
+    def assign(self, seq_id: str) -> str | None:
+        """The drafter for a sequence this step; None if no drafter is usable."""
+        current = self.assigned.get(seq_id)
+        if current in self.clients and self.breakers[current].allow():
+            return current
+        usable = [a for a in self.clients if self.breakers[a].allow()]
+        if not usable:
+            return None
+        load = {a: 0 for a in usable}
+        for address in self.assigned.values():
+            if address in load:
+                load[address] += 1
+        chosen = min(usable, key=lambda a: (load[a], usable.index(a)))
+        self.assigned[seq_id] = chosen
+        return chosen
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+
+
 @dataclass
 class _Synced:
+    address: str
     epoch: int
     length: int  # tokens of all_ids the drafter holds
 
 
 class Speculator:
-    def __init__(self, settings: VerifierSettings, vocab_size: int, client_index: int = 0):
+    def __init__(self, settings: VerifierSettings, vocab_size: int, discover=None):
         self.enabled = settings.speculative_decoding
         self.tree_size = settings.verification_tree_size
         self.timeout = settings.draft_timeout_seconds
         self.max_seq_len = settings.max_seq_len
         self.vocab_size = vocab_size
-        self.client = (
-            DrafterClient(settings.drafter_addresses, client_index)
-            if self.enabled and settings.drafter_addresses
+        self.pool = (
+            DrafterPool(
+                settings.drafter_addresses,
+                discover if settings.discover_drafters else None,
+                (settings.breaker_failures, settings.breaker_cooldown_seconds),
+            )
+            if self.enabled
             else None
         )
-        self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_cooldown_seconds)
+        self.policy = (
+            AdaptivePolicy(self.tree_size) if settings.speculation_policy == "adaptive" else None
+        )
         self.fallback = (
             NgramProposer(TreeShape(max_depth=8)) if settings.fallback_mode == "ngram" else None
         )
         self._synced: dict[str, _Synced] = {}
-        self._finished: list[str] = []
+        self._finished: dict[str, list[str]] = {}  # drafter address -> ended sequences
         self._step = 0
 
-    def budget(self, seq: Sequence) -> int:
-        """Tree nodes to ask for: none when off, and never more than could be emitted.
+    def cap(self, seq: Sequence) -> int:
+        """Most tree nodes a sequence may get: none when off, and never more than could be
+        emitted (so the KV reservation holds).
 
-        None on the prompt's prefill step either: the first token then does not wait for the
+        None while the prompt is prefilled either: the first token then does not wait for the
         drafter to prefill the prompt too (that happens with the second step)."""
-        if not (self.enabled and seq.speculate) or seq.num_computed == 0:
+        if not (self.enabled and seq.speculate) or seq.prefilling:
             return 0
         size = self.tree_size if seq.tree_size is None else min(seq.tree_size, 256)
         generated = len(seq.output_ids)
         room = min(seq.max_tokens - generated, self.max_seq_len - len(seq.prompt_ids) - generated)
         return max(0, min(size, room - 1))
 
-    def propose(self, seqs: list[Sequence]) -> list[DraftTree]:
-        """One tree per sequence (empty: plain decoding for it this step)."""
-        budgets = [self.budget(s) for s in seqs]
+    def budgets(self, seqs: list[Sequence], other_tokens: int = 0) -> list[int]:
+        """This step's tree size per sequence: its cap (fixed policy, or a pinned size), or
+        what the adaptive policy chooses within it."""
+        caps = [self.cap(s) for s in seqs]
+        if self.policy is None or not any(caps):
+            return caps
+        return self.policy.budgets(
+            [
+                Candidate(cap, self.policy.alpha(s.accepted, s.tested), s.tree_size is not None)
+                for s, cap in zip(seqs, caps, strict=True)
+            ],
+            other_tokens,
+        )
+
+    def observe_step(self, tokens: int, verify_seconds: float) -> None:
+        """A step's forward pass took verify_seconds for `tokens` tokens."""
+        if self.policy is not None:
+            self.policy.cost.observe_verify(tokens, verify_seconds)
+
+    def observe_acceptance(self, seq: Sequence, accepted: int, tested: int) -> None:
+        seq.tested += tested
+        if self.policy is not None:
+            self.policy.observe_acceptance(accepted, tested)
+
+    def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> list[DraftTree]:
+        """One tree per sequence (empty: plain decoding for it this step); other_tokens are
+        the step's prefill tokens, which the adaptive policy counts in the cost."""
+        budgets = self.budgets(seqs, other_tokens)
+        for budget in budgets:
+            metrics.TREE_BUDGET.observe(budget)
         if not any(budgets):
             return [DraftTree() for _ in seqs]
-        trees = None
-        if self.client is not None and self.breaker.allow():
-            try:
-                trees = self._ask_drafter(seqs, budgets)
-                self.breaker.success()
-            except DraftUnavailable as e:
-                self.breaker.failure()
-                log.warning("drafting failed; falling back", extra={"reason": str(e)})
-        if trees is None:
-            for seq, budget in zip(seqs, budgets, strict=True):
+        trees: list[DraftTree | None] = [None] * len(seqs)
+        if self.pool is not None:
+            started = time.perf_counter()
+            trees = self._ask_drafters(seqs, budgets)
+            if self.policy is not None and all(t is not None for t in trees):
+                self.policy.cost.observe_draft(
+                    max(budgets), sum(b > 0 for b in budgets), time.perf_counter() - started
+                )
+        for i, (seq, budget) in enumerate(zip(seqs, budgets, strict=True)):
+            if trees[i] is None:
                 seq.fallback_steps += budget > 0
                 metrics.FALLBACK_STEPS.inc(budget > 0)
-            trees = [self._fallback(seq, b) for seq, b in zip(seqs, budgets, strict=True)]
-        for seq, tree in zip(seqs, trees, strict=True):
-            seq.drafted += len(tree)
+                trees[i] = self._fallback(seq, budget)
+            seq.drafted += len(trees[i])
         return trees
 
     def forget(self, seq: Sequence) -> None:
-        """The sequence ended: tell the drafter with the next message."""
-        if self._synced.pop(seq.request_id, None) is not None:
-            self._finished.append(seq.request_id)
+        """The sequence ended: tell its drafter with the next message."""
+        synced = self._synced.pop(seq.request_id, None)
+        if synced is not None:
+            self._finished.setdefault(synced.address, []).append(seq.request_id)
+        if self.pool is not None:
+            self.pool.assigned.pop(seq.request_id, None)
 
     def _fallback(self, seq: Sequence, budget: int) -> DraftTree:
         if self.fallback is None or budget == 0:
             return DraftTree()
         return self.fallback.propose_one(seq.all_ids, budget)
 
-    def _ask_drafter(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree]:
-        client = self.client
-        if not client.is_open:
-            client.open()
+    def _ask_drafters(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree | None]:
+        """Each sequence's tree from its drafter; None where that drafter failed, was late or
+        none is usable. One message per drafter, all sent before any answer is awaited."""
+        pool = self.pool
+        pool.refresh()
         self._step += 1
+        groups: dict[str, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            address = pool.assign(seq.request_id)
+            if address is not None:
+                groups.setdefault(address, []).append(i)
+        for address in list(self._finished):  # ended sequences free their drafter's caches
+            client = pool.clients.get(address)
+            if client is None or not client.is_open:  # that state is gone anyway
+                del self._finished[address]
+            elif address not in groups and pool.breakers[address].allow():
+                groups[address] = []
+        for address, members in groups.items():
+            client = pool.clients[address]
+            client.send(self._request(client, [seqs[i] for i in members], budgets, members))
+        trees: list[DraftTree | None] = [None] * len(seqs)
+        deadline = time.monotonic() + self.timeout
+        for address, members in groups.items():
+            try:
+                response = pool.clients[address].receive(self._step, deadline)
+            except DraftUnavailable as e:  # a stream error closed the stream; a late one stays
+                pool.breakers[address].failure()
+                log.warning(
+                    "drafting failed; falling back", extra={"drafter": address, "reason": str(e)}
+                )
+                continue
+            pool.breakers[address].success()
+            for rid in response.resync_ids:
+                self._synced.pop(rid, None)
+            by_id = {t.sequence_id: t for t in response.trees}
+            for i in members:
+                trees[i] = self._checked(by_id.get(seqs[i].request_id), budgets[i])
+        return trees
+
+    def _request(
+        self, client: DrafterClient, seqs: list[Sequence], budgets: list[int], members: list[int]
+    ) -> drafter_pb2.DraftRequest:
+        """What changed for these sequences since this drafter's stream last heard of them."""
         request = drafter_pb2.DraftRequest(step=self._step)
-        for rid in self._finished:
+        for rid in self._finished.pop(client.address, []):
             request.sequences.add(sequence_id=rid, finished=True)
-        self._finished = []
-        for seq, budget in zip(seqs, budgets, strict=True):
+        if not client.is_open:
+            client.open()  # a new stream: the epoch moves on, every sequence resends it all
+        for seq, i in zip(seqs, members, strict=True):
             synced = self._synced.get(seq.request_id)
-            held = synced.length if synced and synced.epoch == client.epoch else 0
+            moved = synced and synced.address != client.address
+            if moved and synced.address in self.pool.clients:  # the old drafter forgets it
+                self._finished.setdefault(synced.address, []).append(seq.request_id)
+            same = synced and synced.address == client.address and synced.epoch == client.epoch
+            held = synced.length if same else 0
             ids = seq.all_ids
             delta = request.sequences.add(
                 sequence_id=seq.request_id,
                 new_token_ids=ids[held:],
                 accepted_len=held,
-                budget=budget,
+                budget=budgets[i],
                 temperature=seq.params.temperature,
             )
             if seq.generator is not None:
                 delta.draw_seed = int(torch.randint(2**62, (), generator=seq.generator))
             # Sent on an ordered stream: held even if this step's answer comes too late.
-            self._synced[seq.request_id] = _Synced(client.epoch, len(ids))
-        response = client.exchange(request, self.timeout)
-        for rid in response.resync_ids:
-            self._synced.pop(rid, None)
-        by_id = {t.sequence_id: t for t in response.trees}
-        trees = []
-        for seq, budget in zip(seqs, budgets, strict=True):
-            msg = by_id.get(seq.request_id)
-            tree = from_proto(msg) if msg is not None else DraftTree()
-            try:
-                tree.validate(self.vocab_size)
-                if len(tree) > budget:
-                    raise ValueError(f"{len(tree)} nodes exceed the budget of {budget}")
-            except ValueError as e:
-                log.warning("bad draft tree dropped", extra={"reason": str(e)})
-                tree = DraftTree()
-            trees.append(tree)
-        return trees
+            self._synced[seq.request_id] = _Synced(client.address, client.epoch, len(ids))
+        return request
+
+    def _checked(self, msg, budget: int) -> DraftTree:
+        tree = from_proto(msg) if msg is not None else DraftTree()
+        try:
+            tree.validate(self.vocab_size)
+            if len(tree) > budget:
+                raise ValueError(f"{len(tree)} nodes exceed the budget of {budget}")
+        except ValueError as e:
+            log.warning("bad draft tree dropped", extra={"reason": str(e)})
+            tree = DraftTree()
+        return tree
+
+    def _failed(self, address: str, error: Exception) -> None:
+        self.pool.breakers[address].failure()
+        self.pool.clients[address].close()
+        log.warning(
+            "drafting failed; falling back", extra={"drafter": address, "reason": str(error)}
+        )
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        if self.pool is not None:
+            self.pool.close()

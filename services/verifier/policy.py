@@ -1,0 +1,158 @@
+"""How many draft nodes each sequence gets per step: its tree budget.
+
+`fixed` gives every speculating sequence `verification_tree_size`. `adaptive` chooses, each
+step, the budgets that maximise expected emitted tokens per second of step time:
+
+- Expected tokens of a sequence with budget k, treating its tree as a chain whose tokens the
+  target keeps independently with probability alpha (the sequence's running acceptance rate,
+  smoothed towards the service-wide rate): 1 + alpha + ... + alpha^k.
+- Step time, from a cost model fitted to this verifier's own measured steps (least squares over
+  a window of recent steps): verify = a + b * tokens in the forward pass; drafting, when any
+  sequence drafts, = levels * (c + d * drafting sequences), with levels = the largest budget.
+
+The search tries every common cap K from 0 to the configured size; under each, sequences whose
+expected gain is worth less than the time their nodes cost drop to 0. K = 0 is plain decoding,
+which wins when the batch is large enough that extra tokens cost more than they return.
+Requests that pinned a tree size keep it, and count in the cost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+PRIOR_ACCEPTANCE = 0.6  # service-wide rate before anything was measured
+PRIOR_WEIGHT = 4.0  # tested draft tokens the service-wide rate counts as, per sequence
+REFIT_EVERY = 16  # observations between refits
+PROBE_EVERY = 64  # steps: one in this many uses the largest budget, to keep measuring drafts
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a step emits with k chained drafts each kept with probability alpha."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class Coefficients:
+    a: float = 0.0  # verify: seconds per step
+    b: float = 0.0  # verify: seconds per token
+    c: float = 0.0  # draft: seconds per level
+    d: float = 0.0  # draft: seconds per level per drafting sequence
+
+
+class CostModel:
+    """Step time as a function of tokens, levels and batch; refitted as steps are measured."""
+
+    def __init__(self, window: int = 256, draft_window: int = 32):
+        self.verify: deque[tuple[int, float]] = deque(maxlen=window)
+        self.draft: deque[tuple[int, int, float]] = deque(maxlen=draft_window)
+        self.coef = Coefficients()
+        self._since_fit = 0
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        self.verify.append((tokens, seconds))
+        self._observed()
+
+    def observe_draft(self, levels: int, seqs: int, seconds: float) -> None:
+        if levels > 0:
+            self.draft.append((levels, seqs, seconds))
+            self._observed()
+
+    def _observed(self) -> None:
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY or len(self.verify) + len(self.draft) <= REFIT_EVERY:
+            self.fit()
+
+    def fit(self) -> None:
+        self._since_fit = 0
+        if self.verify:
+            x = np.array([[1.0, n] for n, _ in self.verify])
+            y = np.array([s for _, s in self.verify])
+            self.coef.a, self.coef.b = _nonnegative_lstsq(x, y)
+        if self.draft:
+            x = np.array([[k, k * n] for k, n, _ in self.draft], dtype=float)
+            y = np.array([s for _, _, s in self.draft])
+            self.coef.c, self.coef.d = _nonnegative_lstsq(x, y)
+
+    def step_seconds(self, tokens: int, levels: int, drafting: int) -> float:
+        c = self.coef
+        draft = levels * (c.c + c.d * drafting) if levels else 0.0
+        return c.a + c.b * tokens + draft
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least squares of y on two columns, with coefficients kept >= 0 (time never shrinks as
+    work grows): a negative one is dropped and the other refitted alone."""
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    if coef[0] >= 0 and coef[1] >= 0:
+        return float(coef[0]), float(coef[1])
+    fits = []
+    for col in (0, 1):
+        v = x[:, col]
+        w = float(v @ y / (v @ v)) if v @ v > 0 else 0.0
+        fits.append((float(((y - v * max(w, 0.0)) ** 2).sum()), col, max(w, 0.0)))
+    _, col, w = min(fits)
+    return (w, 0.0) if col == 0 else (0.0, w)
+
+
+@dataclass
+class Candidate:
+    """One sequence of the step, as the policy sees it."""
+
+    cap: int  # most nodes it may get (room left, request limit); 0: not speculating
+    alpha: float  # estimated per-token acceptance
+    pinned: bool = False  # the request fixed its tree size: it gets cap
+
+
+class AdaptivePolicy:
+    def __init__(self, max_budget: int, cost: CostModel | None = None):
+        self.max_budget = max_budget
+        self.cost = cost or CostModel()
+        self.service_alpha = PRIOR_ACCEPTANCE
+        self.steps = 0
+
+    def alpha(self, accepted: int, tested: int) -> float:
+        """A sequence's acceptance rate, smoothed towards the service-wide one."""
+        return (accepted + PRIOR_WEIGHT * self.service_alpha) / (tested + PRIOR_WEIGHT)
+
+    def observe_acceptance(self, accepted: int, tested: int) -> None:
+        """One sequence's step: `tested` draft tokens checked, `accepted` kept."""
+        if tested:
+            rate = accepted / tested
+            self.service_alpha += 0.02 * (rate - self.service_alpha)
+
+    def budgets(self, candidates: list[Candidate], other_tokens: int) -> list[int]:
+        """Budgets that maximise expected tokens per second; other_tokens are tokens in the
+        forward pass that emit nothing (prefill chunks). One step in PROBE_EVERY gives every
+        sequence its cap instead, so that the draft cost is measured again even while the
+        model says plain decoding is better (a drafter that got faster is noticed)."""
+        self.steps += 1
+        if self.steps % PROBE_EVERY == 0:
+            return [c.cap if c.pinned else min(c.cap, self.max_budget) for c in candidates]
+        best, best_rate = [0] * len(candidates), -1.0
+        top = min(self.max_budget, max((c.cap for c in candidates), default=0))
+        for cap in range(top + 1):
+            ks = [c.cap if c.pinned else min(cap, c.cap) for c in candidates]
+            rate = self._rate(candidates, ks, other_tokens)
+            # Drop sequences whose nodes cost more time than their expected gain is worth.
+            per_token = self.cost.coef.b
+            for i, c in enumerate(candidates):
+                if ks[i] and not c.pinned:
+                    gain = expected_tokens(c.alpha, ks[i]) - 1.0
+                    if gain < per_token * ks[i] * rate:
+                        ks[i] = 0
+            rate = self._rate(candidates, ks, other_tokens)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = ks, rate
+        return best
+
+    def _rate(self, candidates: list[Candidate], ks: list[int], other_tokens: int) -> float:
+        tokens = other_tokens + sum(1 + k for k in ks)
+        drafting = sum(k > 0 for k in ks)
+        seconds = self.cost.step_seconds(tokens, max(ks, default=0), drafting)
+        emitted = sum(expected_tokens(c.alpha, k) for c, k in zip(candidates, ks, strict=True))
+        return emitted / max(seconds, 1e-6)

@@ -1,0 +1,97 @@
+"""The adaptive speculation policy: cost model fits and the budgets it chooses (pure)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve.verifier.policy import (
+    PROBE_EVERY,
+    AdaptivePolicy,
+    Candidate,
+    Coefficients,
+    CostModel,
+    expected_tokens,
+)
+
+
+def policy_with(a, b, c, d, max_budget=8) -> AdaptivePolicy:
+    policy = AdaptivePolicy(max_budget)
+    policy.cost.coef = Coefficients(a, b, c, d)
+    policy.steps = 1  # away from a probe step
+    return policy
+
+
+def test_expected_tokens_of_a_chain():
+    assert expected_tokens(0.5, 0) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 6) == 7
+
+
+def test_the_cost_model_recovers_measured_coefficients():
+    rng = random.Random(0)
+    model = CostModel()
+    for _ in range(200):
+        tokens = rng.randrange(1, 64)
+        model.observe_verify(tokens, 0.2 + 0.01 * tokens + rng.gauss(0, 0.002))
+        levels, seqs = rng.randrange(1, 8), rng.randrange(1, 8)
+        model.observe_draft(levels, seqs, levels * (0.03 + 0.005 * seqs) + rng.gauss(0, 0.001))
+    model.fit()
+    coef = model.coef
+    assert coef.a == pytest.approx(0.2, abs=0.01) and coef.b == pytest.approx(0.01, abs=0.001)
+    assert coef.c == pytest.approx(0.03, abs=0.003) and coef.d == pytest.approx(0.005, abs=0.001)
+
+
+def test_coefficients_stay_nonnegative():
+    model = CostModel()
+    for tokens in range(1, 30):  # time that falls with tokens: noise, not a negative cost
+        model.observe_verify(tokens, 0.3 - 0.001 * tokens)
+    model.fit()
+    assert model.coef.a >= 0 and model.coef.b >= 0
+
+
+def test_cheap_drafts_of_a_good_draft_get_the_largest_tree():
+    policy = policy_with(a=0.2, b=0.005, c=0.01, d=0.0)
+    assert policy.budgets([Candidate(8, 0.9)], 0) == [8]
+
+
+def test_drafts_that_cost_more_than_they_return_are_turned_off():
+    policy = policy_with(a=0.2, b=0.005, c=0.15, d=0.0)
+    assert policy.budgets([Candidate(8, 0.3)], 0) == [0]
+
+
+def test_a_large_batch_decodes_plainly_where_a_single_sequence_speculates():
+    # Compute-bound verification: every extra token costs as much as a fixed step share.
+    policy = policy_with(a=0.05, b=0.01, c=0.005, d=0.001)
+    assert policy.budgets([Candidate(8, 0.7)], 0)[0] > 0
+    assert policy.budgets([Candidate(8, 0.7)] * 32, 0) == [0] * 32
+
+
+def test_a_poorly_drafted_sequence_gets_nothing_while_a_well_drafted_one_speculates():
+    policy = policy_with(a=0.1, b=0.01, c=0.01, d=0.0)
+    good, poor = policy.budgets([Candidate(8, 0.95), Candidate(8, 0.05)], 0)
+    assert good > 0 and poor == 0
+
+
+def test_pinned_sizes_and_caps_are_kept():
+    policy = policy_with(a=0.2, b=0.005, c=0.15, d=0.0)
+    assert policy.budgets([Candidate(5, 0.1, pinned=True), Candidate(3, 0.99)], 0)[0] == 5
+    assert max(policy.budgets([Candidate(2, 0.99)], 0)) <= 2
+    assert policy.budgets([Candidate(0, 0.9)], 0) == [0]
+
+
+def test_a_probe_step_measures_the_drafts_again():
+    policy = policy_with(a=0.2, b=0.005, c=0.15, d=0.0)
+    chosen = [policy.budgets([Candidate(6, 0.3)], 0)[0] for _ in range(PROBE_EVERY)]
+    assert chosen.count(6) == 1 and chosen.count(0) == PROBE_EVERY - 1
+
+
+def test_acceptance_estimates_move_from_the_prior_to_what_is_measured():
+    policy = AdaptivePolicy(8)
+    assert policy.alpha(0, 0) == pytest.approx(policy.service_alpha)
+    assert policy.alpha(95, 100) > 0.9
+    assert policy.alpha(5, 100) < 0.1
+    for _ in range(500):
+        policy.observe_acceptance(1, 10)
+    assert policy.service_alpha == pytest.approx(0.1, abs=0.01)
