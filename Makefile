@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto models run test bench lint clean
+.PHONY: setup install proto models run test bench bench-load lint clean
 
 setup: install proto models
 
@@ -44,6 +44,10 @@ test: setup
 bench: setup
 	$(PY) -m benchmarks.speculative --tokens 128 --dtype bfloat16
 	$(PY) -m benchmarks.plain_decode --dtype bfloat16
+
+bench-load: setup
+	$(PY) -m benchmarks.load --rates 0.03,0.08,0.16 --duration 90 --tokens 48 --dtype bfloat16
+	$(PY) -m benchmarks.prefix_cache --rounds 3 --dtype bfloat16
 
 lint: install proto
 	$(VENV)/bin/ruff check services tests benchmarks

@@ -61,11 +61,11 @@ def make_sequence(
 
 
 def scrape(port: int) -> dict[str, float]:
-    """A service's Prometheus metrics, unlabelled samples only."""
+    """A service's Prometheus metrics by series, e.g. 'name' or 'name{label="value"}'."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
     samples = {}
     for line in text.decode().splitlines():
-        if line and not line.startswith("#") and "{" not in line:
+        if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples

@@ -9,14 +9,16 @@ import pytest
 import redis
 
 from conftest import cluster_config
-from helpers import request
+from helpers import request, scrape
 from specserve.common.store import req_key
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 
 def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
-    config = cluster_config(tiny_model_dir, scheduler={"interactive_queue_limit": 2})
+    config = cluster_config(
+        tiny_model_dir, scheduler={"interactive_queue_limit": 2, "metrics_port": 0}
+    )
     cluster = LocalCluster(config, tmp_path)
     try:
         cluster.start(timeout=120, services=("scheduler", "gateway"))
@@ -36,6 +38,9 @@ def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "queue is full" in err.value.details()
         assert ("retry-after-ms", "1000") in (err.value.trailing_metadata() or ())
+        metrics = scrape(cluster.procs["scheduler"].metrics_port)
+        assert metrics['specserve_scheduler_rejected_total{priority="interactive"}'] == 1
+        assert metrics['specserve_scheduler_queue_depth{priority="interactive"}'] == 2
 
         for i, call in enumerate(queued):  # cancelling a queued request ends its stream
             assert stub.Cancel(
@@ -50,7 +55,9 @@ def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
 
 
 def test_waiting_past_the_class_timeout_is_deadline_exceeded(tmp_path, tiny_model_dir):
-    config = cluster_config(tiny_model_dir, scheduler={"interactive_queue_timeout_seconds": 1})
+    config = cluster_config(
+        tiny_model_dir, scheduler={"interactive_queue_timeout_seconds": 1, "metrics_port": 0}
+    )
     cluster = LocalCluster(config, tmp_path)
     try:
         cluster.start(timeout=120, services=("scheduler", "gateway"))
@@ -62,5 +69,7 @@ def test_waiting_past_the_class_timeout_is_deadline_exceeded(tmp_path, tiny_mode
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "waited in the interactive queue past 1s" in err.value.details()
             assert time.monotonic() - started < 10
+        metrics = scrape(cluster.procs["scheduler"].metrics_port)
+        assert metrics['specserve_scheduler_expired_total{priority="interactive"}'] == 1
     finally:
         cluster.stop()

@@ -105,4 +105,5 @@ def test_fallback_drafts_locally_when_no_drafter_answers():
         speculator.close()
     assert tree.token_ids == [8, 5, 6, 7]  # what followed the earliest "6, 7"
     assert seq.fallback_steps == 1
-    assert not speculator.breaker.allow()  # one failure opens it (breaker_failures=1)
+    # One failure opens the drafter's breaker (breaker_failures=1).
+    assert not speculator.pool.breakers["127.0.0.1:1"].allow()

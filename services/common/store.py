@@ -229,6 +229,10 @@ class RequestStore:
                 self.r.srem(members_key(kind), member)
         return out
 
+    def session_owner(self, sid: str) -> str | None:
+        """The verifier holding the session's cached prefix, if any."""
+        return self.r.get(session_key(sid)) if sid else None
+
     # --- verifier side --------------------------------------------------------------------
     def heartbeat(
         self, member_id: str, info: dict[str, Any], ttl_seconds: float, kind: str = "verifier"

@@ -1,8 +1,10 @@
-"""Gets a draft tree for every running sequence each step: from a drafter over one
-bidirectional stream, or, when the drafter fails, is late or its breaker is open, from the
-fallback (no tree = plain decoding, or local n-gram drafts).
+"""Gets a draft tree for every running sequence each step: from the sequence's drafter over
+that drafter's bidirectional stream, or, when the drafter fails, is late or its breaker is
+open, from the fallback (no tree = plain decoding, or local n-gram drafts). The tree sizes come
+from the policy (fixed, or adaptive).
 
-Owns what the drafter has been told: per sequence, how many tokens it has, per stream epoch.
+Owns what each drafter has been told: per sequence, which drafter, which stream (epoch) and
+how many tokens it holds.
 """
 
 from __future__ import annotations
