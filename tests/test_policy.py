@@ -36,11 +36,13 @@ def test_the_cost_model_recovers_measured_coefficients():
         tokens = rng.randrange(1, 64)
         model.observe_verify(tokens, 0.2 + 0.01 * tokens + rng.gauss(0, 0.002))
         levels, seqs = rng.randrange(1, 8), rng.randrange(1, 8)
-        model.observe_draft(levels, seqs, levels * (0.03 + 0.005 * seqs) + rng.gauss(0, 0.001))
+        seconds = 0.02 + levels * (0.03 + 0.005 * seqs) + rng.gauss(0, 0.001)
+        model.observe_draft(levels, seqs, seconds)
     model.fit()
     coef = model.coef
     assert coef.a == pytest.approx(0.2, abs=0.01) and coef.b == pytest.approx(0.01, abs=0.001)
     assert coef.c == pytest.approx(0.03, abs=0.003) and coef.d == pytest.approx(0.005, abs=0.001)
+    assert coef.e == pytest.approx(0.02, abs=0.005)
 
 
 def test_coefficients_stay_nonnegative():

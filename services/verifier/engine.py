@@ -132,8 +132,12 @@ class Engine:
             complete = [take == seq.num_pending for seq, take in plan]
             metrics.BATCH_SIZE.observe(len(seqs))
             prefill = sum(t for (s, t) in plan if s.prefilling)
+            first_token = any(
+                s.prefilling and done and s.queue == "interactive"
+                for (s, _), done in zip(plan, complete, strict=True)
+            )
             with metrics.DRAFT_SECONDS.time():
-                trees = self.speculator.propose(seqs, prefill)
+                trees = self.speculator.propose(seqs, prefill, first_token)
             try:
                 started = time.perf_counter()
                 logits = self.runner.verify(seqs, trees, takes)

@@ -8,12 +8,15 @@ step, the budgets that maximise expected emitted tokens per second of step time:
   smoothed towards the service-wide rate): 1 + alpha + ... + alpha^k.
 - Step time, from a cost model fitted to this verifier's own measured steps (least squares over
   a window of recent steps): verify = a + b * tokens in the forward pass; drafting, when any
-  sequence drafts, = levels * (c + d * drafting sequences), with levels = the largest budget.
+  sequence drafts, = e + levels * (c + d * drafting sequences), with levels = the largest
+  budget. Steps where a drafter took in a whole prompt are left out of the draft fit.
 
 The search tries every common cap K from 0 to the configured size; under each, sequences whose
 expected gain is worth less than the time their nodes cost drop to 0. K = 0 is plain decoding,
 which wins when the batch is large enough that extra tokens cost more than they return.
-Requests that pinned a tree size keep it, and count in the cost.
+Requests that pinned a tree size keep it, and count in the cost. (The speculator also drafts
+nothing on a step that gives an interactive request its first token, so that time to first
+token does not include drafting for the others.)
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Coefficients:
     b: float = 0.0  # verify: seconds per token
     c: float = 0.0  # draft: seconds per level
     d: float = 0.0  # draft: seconds per level per drafting sequence
+    e: float = 0.0  # draft: seconds per drafting step (round trip, taking in accepted tokens)
 
 
 class CostModel:
@@ -74,29 +78,29 @@ class CostModel:
             y = np.array([s for _, s in self.verify])
             self.coef.a, self.coef.b = _nonnegative_lstsq(x, y)
         if self.draft:
-            x = np.array([[k, k * n] for k, n, _ in self.draft], dtype=float)
+            x = np.array([[1.0, k, k * n] for k, n, _ in self.draft])
             y = np.array([s for _, _, s in self.draft])
-            self.coef.c, self.coef.d = _nonnegative_lstsq(x, y)
+            self.coef.e, self.coef.c, self.coef.d = _nonnegative_lstsq(x, y)
 
     def step_seconds(self, tokens: int, levels: int, drafting: int) -> float:
         c = self.coef
-        draft = levels * (c.c + c.d * drafting) if levels else 0.0
+        draft = c.e + levels * (c.c + c.d * drafting) if levels else 0.0
         return c.a + c.b * tokens + draft
 
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """Least squares of y on two columns, with coefficients kept >= 0 (time never shrinks as
-    work grows): a negative one is dropped and the other refitted alone."""
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    if coef[0] >= 0 and coef[1] >= 0:
-        return float(coef[0]), float(coef[1])
-    fits = []
-    for col in (0, 1):
-        v = x[:, col]
-        w = float(v @ y / (v @ v)) if v @ v > 0 else 0.0
-        fits.append((float(((y - v * max(w, 0.0)) ** 2).sum()), col, max(w, 0.0)))
-    _, col, w = min(fits)
-    return (w, 0.0) if col == 0 else (0.0, w)
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares of y on the columns of x with every coefficient >= 0 (time never shrinks
+    as work grows): while one comes out negative, the most negative column is dropped and the
+    rest refitted. Columns the data cannot tell apart get the minimum-norm split."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        fit, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (fit >= 0).all():
+            coef[active] = fit
+            break
+        del active[int(np.argmin(fit))]
+    return [float(v) for v in coef]
 
 
 @dataclass

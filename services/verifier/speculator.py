@@ -223,6 +223,7 @@ class Speculator:
         self._synced: dict[str, _Synced] = {}
         self._finished: dict[str, list[str]] = {}  # drafter address -> ended sequences
         self._step = 0
+        self._largest_delta = 0  # most new tokens one sequence sent this step
 
     def cap(self, seq: Sequence) -> int:
         """Most tree nodes a sequence may get: none when off, and never more than could be
@@ -237,16 +238,23 @@ class Speculator:
         room = min(seq.max_tokens - generated, self.max_seq_len - len(seq.prompt_ids) - generated)
         return max(0, min(size, room - 1))
 
-    def budgets(self, seqs: list[Sequence], other_tokens: int = 0) -> list[int]:
+    def budgets(
+        self, seqs: list[Sequence], other_tokens: int = 0, first_token: bool = False
+    ) -> list[int]:
         """This step's tree size per sequence: its cap (fixed policy, or a pinned size), or
-        what the adaptive policy chooses within it."""
+        what the adaptive policy chooses within it. The adaptive policy does not draft on a
+        step that gives an interactive request its first token (`first_token`): that token
+        would wait for the drafts of the others."""
         caps = [self.cap(s) for s in seqs]
         if self.policy is None or not any(caps):
             return caps
+        pinned = [s.tree_size is not None for s in seqs]
+        if first_token:
+            return [cap if pin else 0 for cap, pin in zip(caps, pinned, strict=True)]
         return self.policy.budgets(
             [
-                Candidate(cap, self.policy.alpha(s.accepted, s.tested), s.tree_size is not None)
-                for s, cap in zip(seqs, caps, strict=True)
+                Candidate(cap, self.policy.alpha(s.accepted, s.tested), pin)
+                for s, cap, pin in zip(seqs, caps, pinned, strict=True)
             ],
             other_tokens,
         )
@@ -261,10 +269,12 @@ class Speculator:
         if self.policy is not None:
             self.policy.observe_acceptance(accepted, tested)
 
-    def propose(self, seqs: list[Sequence], other_tokens: int = 0) -> list[DraftTree]:
+    def propose(
+        self, seqs: list[Sequence], other_tokens: int = 0, first_token: bool = False
+    ) -> list[DraftTree]:
         """One tree per sequence (empty: plain decoding for it this step); other_tokens are
         the step's prefill tokens, which the adaptive policy counts in the cost."""
-        budgets = self.budgets(seqs, other_tokens)
+        budgets = self.budgets(seqs, other_tokens, first_token)
         for budget in budgets:
             metrics.TREE_BUDGET.observe(budget)
         if not any(budgets):
@@ -272,8 +282,12 @@ class Speculator:
         trees: list[DraftTree | None] = [None] * len(seqs)
         if self.pool is not None:
             started = time.perf_counter()
+            self._largest_delta = 0
             trees = self._ask_drafters(seqs, budgets)
-            if self.policy is not None and all(t is not None for t in trees):
+            # Steady-state steps only: a drafter taking in a whole prompt (a new or moved
+            # sequence) costs once, not per level, and would skew the per-level cost.
+            steady = self._largest_delta <= self.tree_size + 1
+            if self.policy is not None and steady and all(t is not None for t in trees):
                 self.policy.cost.observe_draft(
                     max(budgets), sum(b > 0 for b in budgets), time.perf_counter() - started
                 )
@@ -354,6 +368,7 @@ class Speculator:
             same = synced and synced.address == client.address and synced.epoch == client.epoch
             held = synced.length if same else 0
             ids = seq.all_ids
+            self._largest_delta = max(self._largest_delta, len(ids) - held)
             delta = request.sequences.add(
                 sequence_id=seq.request_id,
                 new_token_ids=ids[held:],
