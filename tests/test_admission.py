@@ -33,7 +33,8 @@ def test_slots_and_the_batch_class_share():
     assert adm.load() == {"running": 3, "batch_running": 2, "kv_reserved": 30, "kv_cached": 0}
     adm.release("b1")
     adm.admit("i2", "interactive", 10)
-    assert adm.admit("i2", "interactive", 10).tokens == 10  # admitting twice is one admission
+    assert adm.admit("i2", "interactive", 10) is None  # admitted already: nothing reserved
+    assert adm.load()["kv_reserved"] == 30
 
 
 def test_the_kv_budget_is_never_overcommitted():

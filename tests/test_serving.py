@@ -18,6 +18,8 @@ from specserve.common.store import queued_key, req_key
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import (
     common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
     generation_pb2_grpc,
     verifier_pb2,
     verifier_pb2_grpc,
@@ -121,6 +123,24 @@ def test_the_kv_budget_queues_a_flood_and_rejects_what_can_never_fit(cluster_of,
     assert max(s.running for s in seen) == 3
     assert all(s.kv_reserved <= s.kv_budget == budget for s in seen)
     assert cluster.procs["verifier"].popen.poll() is None
+
+    # Past the gateway (straight to the scheduler): it fails at once instead of blocking
+    # the requests queued behind it.
+    with grpc.insecure_channel(cluster.procs["scheduler"].address) as channel:
+        scheduler_pb2_grpc.SchedulerStub(channel).Submit(
+            scheduler_pb2.SubmitRequest(
+                request_id="too-big",
+                prompt_ids=ids,
+                max_tokens=budget,
+                priority=common_pb2.PRIORITY_CLASS_INTERACTIVE,
+            ),
+            timeout=10,
+        )
+    res = generate(stub, request(prompt_ids=ids, max_tokens=10))
+    assert len(res.ids) == 10
+    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    assert r.hget(req_key("too-big"), "status") == "failed"
+    assert "more than any verifier has" in r.hget(req_key("too-big"), "final")
 
 
 def test_an_interactive_request_starts_within_a_few_steps_behind_a_full_batch_queue(

@@ -94,7 +94,8 @@ return {0, waiting}
 _CLAIM = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'admitted_ms', ARGV[2])
-redis.call('DECR', ARGV[3] .. redis.call('HGET', KEYS[1], 'queue'))
+local counter = ARGV[3] .. redis.call('HGET', KEYS[1], 'queue')
+if tonumber(redis.call('GET', counter) or '0') > 0 then redis.call('DECR', counter) end
 return 1
 """
 
@@ -110,7 +111,7 @@ if st == 'queued' then
   local e = redis.call('HGET', KEYS[1], 'entry_id')
   redis.call('XACK', ARGV[2] .. q, ARGV[3], e)
   redis.call('XDEL', ARGV[2] .. q, e)
-  redis.call('DECR', ARGV[7] .. q)
+  if tonumber(redis.call('GET', ARGV[7] .. q) or '0') > 0 then redis.call('DECR', ARGV[7] .. q) end
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
   return {1, ''}
@@ -152,12 +153,17 @@ class RequestStore:
         return cls(redis.Redis.from_url(url, decode_responses=True, health_check_interval=10))
 
     def ensure_queues(self) -> None:
+        """Creates the queues and their consumer group, and the queued counters if missing
+        (from the entries not yet delivered: a store written before the counters existed)."""
         for cls in QUEUE_CLASSES:
             try:
                 self.r.xgroup_create(queue_key(cls), GROUP, id="0", mkstream=True)
             except redis.ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
+            if not self.r.exists(queued_key(cls)):
+                pending = int(self.r.xpending(queue_key(cls), GROUP)["pending"])
+                self.r.set(queued_key(cls), self.r.xlen(queue_key(cls)) - pending, nx=True)
 
     # --- scheduler side -------------------------------------------------------------------
     def create(self, rid: str, spec: dict[str, Any], cls: str, limit: int) -> tuple[int, int]:
@@ -182,9 +188,9 @@ class RequestStore:
         """Ends a queued request, flags a running one. Returns (state, owner) as _END_QUEUED."""
         return self._end(rid, final, "cancelled", flag_running=True)
 
-    def expire(self, rid: str, final: dict[str, Any]) -> bool:
-        """Ends a request that is still queued as expired; False if it was not queued."""
-        return self._end(rid, final, "expired", flag_running=False)[0] == 1
+    def end_queued(self, rid: str, final: dict[str, Any], status: str) -> bool:
+        """Ends a request that is still queued (expired, failed); False if it was not."""
+        return self._end(rid, final, status, flag_running=False)[0] == 1
 
     def _end(self, rid: str, final: dict, status: str, flag_running: bool) -> tuple[int, str]:
         state, owner = self._end_queued(
@@ -248,8 +254,9 @@ class RequestStore:
         self.r.srem(members_key(kind), member_id)
         self.r.delete(member_key(kind, member_id))
 
-    def claim(self, rid: str, vid: str) -> bool:
-        return bool(self._claim(keys=[req_key(rid)], args=[vid, now_ms(), f"{PREFIX}queued:"]))
+    def claim(self, rid: str, vid: str, at_ms: int) -> bool:
+        """Moves a queued request to running on verifier `vid`, admitted at `at_ms`."""
+        return bool(self._claim(keys=[req_key(rid)], args=[vid, at_ms, f"{PREFIX}queued:"]))
 
     def get(self, rid: str) -> RequestRecord | None:
         h = self.r.hgetall(req_key(rid))

@@ -33,6 +33,9 @@ class VerifierLoad:
             return False
         return priority != "batch" or self.batch_running < self.batch_capacity
 
+    def could_ever_hold(self, want: Want) -> bool:
+        return self.need(want.prompt_tokens, want.max_tokens) <= self.kv_budget
+
     def take(self, priority: str, kv_tokens: int) -> None:
         self.running += 1
         self.batch_running += priority == "batch"

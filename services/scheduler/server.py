@@ -212,6 +212,11 @@ class Placer:
                 int(spec["max_tokens"]),
                 self.store.session_owner(session) if session else None,
             )
+            if loads and all(
+                v.need(want.prompt_tokens, want.max_tokens) > v.kv_budget for v in loads
+            ):
+                self._fail(rec, cls, loads)  # it would block its class until it times out
+                continue
             result = None
             candidates = loads
             while result is None:
@@ -248,9 +253,20 @@ class Placer:
         if rec is None or rec.status != "queued":
             return
         final = ended_final("FINISH_REASON_DEADLINE", len(rec.spec.get("prompt_ids", [])), why)
-        if self.store.expire(rid, final):
+        if self.store.end_queued(rid, final, "expired"):
             metrics.EXPIRED.labels(cls).inc()
             log.info("expired", extra={"request_id": rid, "class": cls, "reason": why})
+
+    def _fail(self, rec, cls: str, loads: list[VerifierLoad]) -> None:
+        """Ends a request no live verifier's KV budget can ever hold."""
+        need = max(v.need(len(rec.spec["prompt_ids"]), int(rec.spec["max_tokens"])) for v in loads)
+        why = (
+            f"prompt + max_tokens needs up to {need} KV cache tokens, more than any verifier has "
+            f"({max(v.kv_budget for v in loads)}); shorten the prompt or lower max_tokens"
+        )
+        final = ended_final("FINISH_REASON_ERROR", len(rec.spec["prompt_ids"]), why)
+        if self.store.end_queued(rec.request_id, final, "failed"):
+            log.warning("cannot fit", extra={"request_id": rec.request_id, "class": cls})
 
     def _admit(self, address: str, rid: str) -> bool | None:
         """True if admitted, False if the request no longer needs placing, None to retry."""

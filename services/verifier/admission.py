@@ -68,12 +68,13 @@ class Admission:
             return rid in self._grants
 
     # --- admission --------------------------------------------------------------------------
-    def admit(self, rid: str, priority: str, tokens: int, session_id: str = "") -> Grant:
+    def admit(self, rid: str, priority: str, tokens: int, session_id: str = "") -> Grant | None:
         """Reserves a slot and `tokens` KV entries, evicting cached prefixes if needed; takes
-        the session's cached prefix. Raises Refused if it does not fit now."""
+        the session's cached prefix. None if `rid` holds a reservation already (an admission
+        of it is done or under way). Raises Refused if it does not fit now."""
         with self._lock:
             if rid in self._grants:
-                return self._grants[rid]
+                return None
             if len(self._grants) >= self.batch_size:
                 raise Refused("the batch is full")
             if priority == "batch" and self._batch_running() >= self.batch_slots:
@@ -93,8 +94,8 @@ class Admission:
             return grant
 
     def release(self, rid: str, session_id: str = "", prefix: CachedPrefix | None = None) -> bool:
-        """Frees a sequence's reservation; keeps `prefix` for its session if it fits in budget
-        nobody reserved. Returns True if it was kept."""
+        """Frees a sequence's reservation; keeps `prefix` (which its caller no longer uses) for
+        its session if it fits in budget nobody reserved. Returns True if it was kept."""
         with self._lock:
             self._grants.pop(rid, None)
             if prefix is None or not session_id:

@@ -219,20 +219,22 @@ class Engine:
         status = {"FINISH_REASON_CANCELLED": "cancelled", "FINISH_REASON_ERROR": "failed"}.get(
             seq.finish_reason, "finished"
         )
-        prefix = None
-        if self.prefix_cache and seq.session_id and status == "finished" and seq.kv is not None:
-            prefix = CachedPrefix(seq.all_ids[: seq.kv.length], seq.kv)
-        kept = self.admission.release(seq.request_id, seq.session_id, prefix)
+        if seq.kv_kept is None:  # once, even if finishing in Redis fails and is retried
+            prefix = None
+            keep = self.prefix_cache and seq.session_id and status == "finished"
+            if keep and seq.kv is not None:
+                prefix = CachedPrefix(seq.all_ids[: seq.kv.length], seq.kv)
+            self.runner.release(seq)  # the sequence no longer uses its buffer
+            seq.kv_kept = self.admission.release(seq.request_id, seq.session_id, prefix)
+            self.speculator.forget(seq)
         self.store.finish(
             seq.request_id,
             status,
             seq.final_info(),
             seq.queue,
             seq.entry_id,
-            session=(seq.session_id, self.verifier_id) if kept else None,
+            session=(seq.session_id, self.verifier_id) if seq.kv_kept else None,
         )
-        self.runner.release(seq)
-        self.speculator.forget(seq)
         with self._lock:
             self.running.pop(seq.request_id, None)
             self._cancel.discard(seq.request_id)

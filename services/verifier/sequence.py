@@ -32,6 +32,7 @@ class Sequence:
     session_id: str = ""
     kv_limit: int | None = None  # KV entries reserved at admission; the buffer stays within
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    kv_kept: bool | None = None  # set when retired: whether the prefix cache kept its KV
     output_ids: list[int] = field(default_factory=list)
     num_emitted: int = 0
     kv: SequenceKV | None = None  # the target's KV entries of all_ids[:kv.length]

@@ -12,7 +12,7 @@ from ..common import models
 from ..common.flat_model import FlatModel
 from ..common.grpc_server import Server
 from ..common.settings import VerifierSettings
-from ..common.store import RequestStore, heartbeat_forever
+from ..common.store import RequestStore, heartbeat_forever, now_ms
 from ..v1 import verifier_pb2 as pb
 from ..v1 import verifier_pb2_grpc as pb_grpc
 from . import metrics
@@ -83,8 +83,11 @@ class VerifierService(pb_grpc.VerifierServicer):
             grant = admission.admit(rid, seq.queue, need, seq.session_id)
         except Refused as e:
             return pb.AdmitResponse(admitted=False, free_slots=self._free(), reason=str(e))
+        if grant is None:  # a concurrent Admit of the same request (a retry) is admitting it
+            return pb.AdmitResponse(admitted=True, free_slots=self._free())
+        seq.admitted_ms = now_ms()
         try:
-            claimed = self.store.claim(rid, self.verifier_id)
+            claimed = self.store.claim(rid, self.verifier_id, seq.admitted_ms)
         except Exception:
             admission.release(rid, seq.session_id, grant.prefix)
             raise

@@ -277,7 +277,7 @@ class Speculator:
         budgets = self.budgets(seqs, other_tokens, first_token)
         for budget in budgets:
             metrics.TREE_BUDGET.observe(budget)
-        if not any(budgets):
+        if not any(budgets) and not self._finished:  # (ended sequences free drafter state)
             return [DraftTree() for _ in seqs]
         trees: list[DraftTree | None] = [None] * len(seqs)
         if self.pool is not None:
