@@ -18,9 +18,9 @@ from specserve.common.store import queued_key, req_key
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import (
     common_pb2,
+    generation_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
-    generation_pb2_grpc,
     verifier_pb2,
     verifier_pb2_grpc,
 )
