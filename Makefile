@@ -46,7 +46,7 @@ bench: setup
 	$(PY) -m benchmarks.plain_decode --dtype bfloat16
 
 bench-load: setup
-	$(PY) -m benchmarks.load --rates 0.05,0.15,0.3,0.5 --duration 90 --tokens 48 --dtype bfloat16
+	$(PY) -m benchmarks.load --rates 0.1,0.25,0.4,0.55 --duration 75 --tokens 48 --dtype bfloat16 --batch-size 4
 	$(PY) -m benchmarks.prefix_cache --rounds 3 --dtype bfloat16
 
 lint: install proto

@@ -1,6 +1,6 @@
 """Serving under load: Poisson arrivals through the whole cluster with the default pair.
 
-    python -m benchmarks.load [--rates 0.05,0.15,0.3,0.5] [--duration 90] [--tokens 48]
+    python -m benchmarks.load [--rates 0.1,0.25,0.4,0.55] [--duration 75] [--tokens 48]
 
 One cluster (scheduler, drafter, verifier, gateway; target in --dtype, draft model int8 chain 6
 on a CPU). Per arrival rate, and for each speculation mode side by side (in turn, at the same
@@ -178,12 +178,12 @@ def chart(results: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rates", default="0.05,0.15,0.3,0.5", help="arrivals per second, a list")
-    p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per run")
+    p.add_argument("--rates", default="0.1,0.25,0.4,0.55", help="arrivals per second, a list")
+    p.add_argument("--duration", type=float, default=75.0, help="seconds of arrivals per run")
     p.add_argument("--tokens", type=int, default=48, help="max_tokens of every request")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--slo-ttft", type=float, default=15.0, help="interactive TTFT target (s)")
     p.add_argument("--slo-tpot", type=float, default=0.5, help="interactive TPOT target (s)")
     p.add_argument("--seed", type=int, default=0)
