@@ -172,6 +172,7 @@ def test_an_interactive_request_starts_within_a_few_steps_behind_a_full_batch_qu
     waited = verifier_status(cluster).steps - before
     list(stream)
     # The batch requests run 2000 steps each: without the reserved slot this waits that long.
+    print(f"interactive first token after {waited} verifier steps behind a full batch queue")
     assert waited < 200, f"the interactive request waited {waited} steps"
     assert int(r.get(queued_key("batch"))) >= 6  # it went first
     for call in batch:
