@@ -143,7 +143,7 @@ class Engine:
                 logits = self.runner.verify(seqs, trees, takes)
                 elapsed = time.perf_counter() - started
                 metrics.VERIFY_SECONDS.observe(elapsed)
-                self.speculator.observe_step(sum(takes) + sum(map(len, trees)), elapsed)
+                self.speculator.observe_step(sum(takes) + sum(map(len, trees)), elapsed, prefill)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 log.exception("forward failed", extra={"requests": len(seqs)})
                 for seq in seqs:

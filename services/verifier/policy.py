@@ -9,7 +9,8 @@ step, the budgets that maximise expected emitted tokens per second of step time:
 - Step time, from a cost model fitted to this verifier's own measured steps (least squares over
   a window of recent steps): verify = a + b * tokens in the forward pass; drafting, when any
   sequence drafts, = e + levels * (c + d * drafting sequences), with levels = the largest
-  budget. Steps where a drafter took in a whole prompt are left out of the draft fit.
+  budget. Steps that prefill are left out of the verify fit, and steps where a drafter took in
+  a whole prompt out of the draft fit: both costs come once per request, not per node.
 
 The search tries every common cap K from 0 to the configured size; under each, sequences whose
 expected gain is worth less than the time their nodes cost drop to 0. K = 0 is plain decoding,

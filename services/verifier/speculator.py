@@ -259,9 +259,11 @@ class Speculator:
             other_tokens,
         )
 
-    def observe_step(self, tokens: int, verify_seconds: float) -> None:
-        """A step's forward pass took verify_seconds for `tokens` tokens."""
-        if self.policy is not None:
+    def observe_step(self, tokens: int, verify_seconds: float, prefill_tokens: int) -> None:
+        """A step's forward pass took verify_seconds for `tokens` tokens. Only decode steps
+        inform the cost model: the tree budget trades decode tokens, and a prompt chunk's
+        tokens (long attention rows) cost more each than the nodes it would price."""
+        if self.policy is not None and prefill_tokens == 0:
             self.policy.cost.observe_verify(tokens, verify_seconds)
 
     def observe_acceptance(self, seq: Sequence, accepted: int, tested: int) -> None:
