@@ -16,8 +16,8 @@ The search tries every common cap K from 0 to the configured size; under each, s
 expected gain is worth less than the time their nodes cost drop to 0. K = 0 is plain decoding,
 which wins when the batch is large enough that extra tokens cost more than they return.
 Requests that pinned a tree size keep it, and count in the cost. (The speculator also drafts
-nothing on a step that gives an interactive request its first token, so that time to first
-token does not include drafting for the others.)
+nothing on a step that gives an interactive request its first token while at most one other
+sequence would draft; see Speculator.budgets.)
 """
 
 from __future__ import annotations

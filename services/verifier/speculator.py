@@ -242,14 +242,18 @@ class Speculator:
         self, seqs: list[Sequence], other_tokens: int = 0, first_token: bool = False
     ) -> list[int]:
         """This step's tree size per sequence: its cap (fixed policy, or a pinned size), or
-        what the adaptive policy chooses within it. The adaptive policy does not draft on a
-        step that gives an interactive request its first token (`first_token`): that token
-        would wait for the drafts of the others."""
+        what the adaptive policy chooses within it.
+
+        On a step that gives an interactive request its first token (`first_token`), that
+        token would wait for the drafts of the others: with at most one other sequence
+        drafting, the adaptive policy drafts nothing (the draft time saved for the new request
+        is worth about what one sequence's speculation gains in a step); with more, the
+        others' loss outweighs it and they draft as usual."""
         caps = [self.cap(s) for s in seqs]
         if self.policy is None or not any(caps):
             return caps
         pinned = [s.tree_size is not None for s in seqs]
-        if first_token:
+        if first_token and sum(cap > 0 for cap in caps) <= 1:
             return [cap if pin else 0 for cap, pin in zip(caps, pinned, strict=True)]
         return self.policy.budgets(
             [
