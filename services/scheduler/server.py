@@ -212,9 +212,7 @@ class Placer:
                 int(spec["max_tokens"]),
                 self.store.session_owner(session) if session else None,
             )
-            if loads and all(
-                v.need(want.prompt_tokens, want.max_tokens) > v.kv_budget for v in loads
-            ):
+            if loads and not any(v.could_ever_hold(want) for v in loads):
                 self._fail(rec, cls, loads)  # it would block its class until it times out
                 continue
             result = None
