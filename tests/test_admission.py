@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.common.capacity import kv_need
 from specserve.common.flat_model import SequenceKV
 from specserve.scheduler.placement import VerifierLoad, Want, choose_verifier, class_order
-from specserve.verifier.admission import Admission, CachedPrefix, Refused, kv_need
+from specserve.verifier.admission import Admission, CachedPrefix, Refused
 
 
 def prefix(tokens: int) -> CachedPrefix:

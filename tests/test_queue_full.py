@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -15,16 +16,22 @@ from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 
-def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
-    config = cluster_config(
-        tiny_model_dir, scheduler={"interactive_queue_limit": 2, "metrics_port": 0}
-    )
+@contextmanager
+def without_verifiers(tmp_path, model_dir, **scheduler):
+    """A scheduler and a gateway (with scheduler metrics), and a stub of the gateway."""
+    config = cluster_config(model_dir, scheduler={"metrics_port": 0, **scheduler})
     cluster = LocalCluster(config, tmp_path)
     try:
         cluster.start(timeout=120, services=("scheduler", "gateway"))
+        with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
+            yield cluster, generation_pb2_grpc.GenerationStub(channel)
+    finally:
+        cluster.stop()
+
+
+def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
+    with without_verifiers(tmp_path, tiny_model_dir, interactive_queue_limit=2) as (cluster, stub):
         r = redis.Redis.from_url(cluster.redis_url)
-        channel = grpc.insecure_channel(cluster.procs["gateway"].address)
-        stub = generation_pb2_grpc.GenerationStub(channel)
         queued = [
             stub.Generate(request(prompt="hi", request_id=f"q{i}"), timeout=30) for i in range(2)
         ]
@@ -49,27 +56,16 @@ def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
             with pytest.raises(grpc.RpcError) as err:
                 list(call)
             assert err.value.code() == grpc.StatusCode.CANCELLED
-        channel.close()
-    finally:
-        cluster.stop()
 
 
 def test_waiting_past_the_class_timeout_is_deadline_exceeded(tmp_path, tiny_model_dir):
-    config = cluster_config(
-        tiny_model_dir, scheduler={"interactive_queue_timeout_seconds": 1, "metrics_port": 0}
-    )
-    cluster = LocalCluster(config, tmp_path)
-    try:
-        cluster.start(timeout=120, services=("scheduler", "gateway"))
-        with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            started = time.monotonic()
-            with pytest.raises(grpc.RpcError) as err:
-                list(stub.Generate(request(prompt="hi"), timeout=30))
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "waited in the interactive queue past 1s" in err.value.details()
-            assert time.monotonic() - started < 10
+    timeout = {"interactive_queue_timeout_seconds": 1}
+    with without_verifiers(tmp_path, tiny_model_dir, **timeout) as (cluster, stub):
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request(prompt="hi"), timeout=30))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "waited in the interactive queue past 1s" in err.value.details()
+        assert time.monotonic() - started < 10
         metrics = scrape(cluster.procs["scheduler"].metrics_port)
         assert metrics['specserve_scheduler_expired_total{priority="interactive"}'] == 1
-    finally:
-        cluster.stop()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from ..common.capacity import kv_fit_problem
 from ..v1 import common_pb2, generation_pb2
 
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -109,15 +110,8 @@ def check_fits(prompt_tokens: int, max_tokens: int, largest: tuple[int, int] | N
     the verifier with the largest budget (None: none registered yet; the request may wait)."""
     if largest is None:
         return
-    budget, max_seq_len = largest
-    need = min(prompt_tokens + max_tokens, max_seq_len)
-    if need > budget:
-        raise InvalidRequest(
-            "max_tokens",
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) needs up to {need} "
-            f"KV cache tokens, more than any verifier has ({budget}); shorten the prompt or "
-            "lower max_tokens",
-        )
+    if problem := kv_fit_problem(prompt_tokens, max_tokens, *largest):
+        raise InvalidRequest("max_tokens", problem)
 
 
 def _lenient_class():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..common.capacity import kv_need
+
 
 @dataclass
 class VerifierLoad:
@@ -26,7 +28,7 @@ class VerifierLoad:
 
     def need(self, prompt_tokens: int, max_tokens: int) -> int:
         """KV tokens the verifier reserves for such a request."""
-        return min(prompt_tokens + max_tokens, self.max_seq_len)
+        return kv_need(prompt_tokens, max_tokens, self.max_seq_len)
 
     def fits(self, priority: str, kv_tokens: int) -> bool:
         if self.running >= self.capacity or kv_tokens > self.free_kv:

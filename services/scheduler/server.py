@@ -10,6 +10,7 @@ from collections import deque
 import grpc
 from google.protobuf import json_format
 
+from ..common.capacity import kv_fit_problem
 from ..common.grpc_server import Server
 from ..common.settings import SchedulerSettings
 from ..common.store import QUEUE_CLASSES, RequestStore, now_ms
@@ -257,12 +258,12 @@ class Placer:
 
     def _fail(self, rec, cls: str, loads: list[VerifierLoad]) -> None:
         """Ends a request no live verifier's KV budget can ever hold."""
-        need = max(v.need(len(rec.spec["prompt_ids"]), int(rec.spec["max_tokens"])) for v in loads)
-        why = (
-            f"prompt + max_tokens needs up to {need} KV cache tokens, more than any verifier has "
-            f"({max(v.kv_budget for v in loads)}); shorten the prompt or lower max_tokens"
+        largest = max(loads, key=lambda v: v.kv_budget)
+        prompt_tokens = len(rec.spec["prompt_ids"])
+        why = kv_fit_problem(
+            prompt_tokens, int(rec.spec["max_tokens"]), largest.kv_budget, largest.max_seq_len
         )
-        final = ended_final("FINISH_REASON_ERROR", len(rec.spec["prompt_ids"]), why)
+        final = ended_final("FINISH_REASON_ERROR", prompt_tokens, why)
         if self.store.end_queued(rec.request_id, final, "failed"):
             log.warning("cannot fit", extra={"request_id": rec.request_id, "class": cls})
 

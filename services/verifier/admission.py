@@ -1,9 +1,9 @@
 """Admission on a verifier: batch slots per class, the KV token budget, and the prefix cache.
 
-Every sequence reserves, when it is admitted, the most KV entries it can ever hold:
-min(prompt + max_tokens, max_seq_len) tokens (tree nodes included: the speculator never drafts
-past max_tokens). Its buffer never grows past that reservation, so the reservations, plus the
-buffers kept by the prefix cache, bound the KV memory: admission never overcommits the budget.
+Every sequence reserves, when it is admitted, the most KV entries it can ever hold
+(`capacity.kv_need`: min(prompt + max_tokens, max_seq_len) tokens). Its buffer never grows past
+that reservation, so the reservations, plus the buffers kept by the prefix cache, bound the KV
+memory: admission never overcommits the budget.
 
 The prefix cache keeps the KV buffer of a finished session turn under its session id, in budget
 that no running sequence reserved; admissions evict the least recently stored entries when they
@@ -118,11 +118,6 @@ class Admission:
 
     def _batch_running(self) -> int:
         return sum(g.priority == "batch" for g in self._grants.values())
-
-
-def kv_need(prompt_tokens: int, max_tokens: int, max_seq_len: int) -> int:
-    """KV entries a sequence may hold at most (see the module docstring)."""
-    return min(prompt_tokens + max_tokens, max_seq_len)
 
 
 def bytes_per_token(model: FlatModel) -> int:

@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from ..common import models
+from ..common.capacity import kv_need
 from ..common.flat_model import FlatModel
 from ..common.grpc_server import Server
 from ..common.settings import VerifierSettings
@@ -16,7 +17,7 @@ from ..common.store import RequestStore, heartbeat_forever, now_ms
 from ..v1 import verifier_pb2 as pb
 from ..v1 import verifier_pb2_grpc as pb_grpc
 from . import metrics
-from .admission import Admission, Refused, kv_budget, kv_need
+from .admission import Admission, Refused, kv_budget
 from .engine import Engine
 from .runner import ModelRunner
 from .sampling import SamplingParams
