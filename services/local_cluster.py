@@ -57,19 +57,22 @@ class LocalCluster:
     config: dict[str, Any]
     workdir: Path
     redis_url: str | None = None
+    redis_aof: bool = False  # persist every write (appendfsync always), as deployments do
     procs: dict[str, Proc] = field(default_factory=dict)
     redis: subprocess.Popen | None = None
+    redis_port: int = 0
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.workdir / "config.yaml"
 
     def start_redis(self) -> str:
+        """Starts a private redis-server (on the port it had before, if restarted)."""
         if shutil.which("redis-server") is None:
             raise ClusterError(
                 "redis-server is not installed (apt-get install redis-server), or pass --redis-url"
             )
-        port = free_port()
+        port = self.redis_port = self.redis_port or free_port()
         self.redis = subprocess.Popen(
             [
                 "redis-server",
@@ -80,11 +83,13 @@ class LocalCluster:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes" if self.redis_aof else "no",
+                "--appendfsync",
+                "always",
                 "--dir",
                 str(self.workdir),
             ],
-            stdout=open(self.workdir / "redis.log", "w"),
+            stdout=open(self.workdir / "redis.log", "a"),
             stderr=subprocess.STDOUT,
         )
         self.redis_url = f"redis://127.0.0.1:{port}/0"
@@ -167,11 +172,19 @@ class LocalCluster:
             time.sleep(0.1)
         raise ClusterError(f"{key} not ready after {timeout:.0f}s; see {proc.log_path}")
 
-    def kill(self, key: str, sig: int = signal.SIGKILL) -> None:
+    def kill(self, key: str, sig: int = signal.SIGKILL) -> int:
+        """Signals a service and waits for it to exit; returns its exit code."""
         proc = self.procs.pop(key)
         if proc.popen.poll() is None:
             proc.popen.send_signal(sig)
-            proc.popen.wait(timeout=30)
+            proc.popen.wait(timeout=60)
+        return proc.popen.returncode
+
+    def kill_redis(self) -> None:
+        """SIGKILLs the private redis-server (start_redis brings it back on its port)."""
+        if self.redis and self.redis.poll() is None:
+            self.redis.kill()
+            self.redis.wait(timeout=30)
 
     def stop(self) -> None:
         for key in reversed(list(self.procs)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -15,6 +16,30 @@ from grpc_reflection.v1alpha import reflection
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def retrying_channel(address: str, service: str) -> grpc.Channel:
+    """A channel whose calls to `service` (whose methods must all be idempotent) are retried
+    on UNAVAILABLE with exponential backoff by gRPC itself. Streams that already delivered a
+    response are never retried (gRPC commits a call once data arrives)."""
+    config = {
+        "methodConfig": [
+            {
+                "name": [{"service": service}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.2s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+    return grpc.insecure_channel(
+        address,
+        options=[("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))],
+    )
 
 
 class Server:
@@ -57,6 +82,25 @@ class Server:
     def start(self) -> None:
         self.grpc.start()
 
+    def watch(self, checks: dict[str, Callable[[], bool]], period: float = 1.0) -> None:
+        """Keeps health true to readiness until the server stops: SERVING while every check
+        passes, NOT_SERVING while any fails (each change logged with the failing checks)."""
+
+        def run() -> None:
+            failing: list[str] | None = None
+            while not self.stopped.is_set():
+                now = [name for name, check in checks.items() if not _passes(check)]
+                if now != failing and not self.stopped.is_set():
+                    self.set_serving(not now)
+                    if now:
+                        log.warning("not serving", extra={"failing": now})
+                    elif failing is not None:
+                        log.info("serving again")
+                    failing = now
+                self.stopped.wait(period)
+
+        threading.Thread(target=run, name="health", daemon=True).start()
+
     def run_until_signal(self, drain_seconds: float, on_stop: Callable[[], None] = lambda: None):
         """Serves until SIGTERM/SIGINT, then reports NOT_SERVING and drains in-flight RPCs."""
 
@@ -71,3 +115,10 @@ class Server:
         on_stop()
         self.grpc.stop(drain_seconds).wait()
         log.info("stopped")
+
+
+def _passes(check: Callable[[], bool]) -> bool:
+    try:
+        return bool(check())
+    except Exception:
+        return False

@@ -125,6 +125,20 @@ class SchedulerSettings(ServiceSettings):
         "first (the bound on batch starvation).",
     )
     placement_poll_seconds: float = Field(default=0.05, gt=0)
+    scheduler_id: str | None = Field(
+        default=None, description="Queue consumer name; the host name if unset."
+    )
+    dead_verifier_grace_seconds: float = Field(
+        default=2.0,
+        ge=0,
+        description="How long a verifier's registry entry must stay gone (its heartbeats "
+        "missed) before its running requests are requeued.",
+    )
+    reclaim_idle_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="Queue entries another scheduler read and left idle this long are taken over.",
+    )
 
 
 class VerifierSettings(ServiceSettings):
@@ -182,6 +196,11 @@ class VerifierSettings(ServiceSettings):
     )
     breaker_cooldown_seconds: float = Field(
         default=10.0, ge=0, description="How long an open breaker skips the drafter."
+    )
+    stall_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="A decode step running longer than this reports NOT_SERVING (wedged).",
     )
     speculation_policy: Literal["adaptive", "fixed"] = Field(
         default="adaptive",

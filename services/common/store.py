@@ -2,11 +2,14 @@
 
 Keys (prefix `specserve:`):
   req:{id}        hash   spec (JSON), status, queue, entry_id, owner, cancel, generated,
-                         created_ms, admitted_ms, final (JSON)
+                         created_ms, admitted_ms, requeues, final (JSON)
   out:{id}        stream one entry per step: first (absolute index), ids (comma list);
-                         the last entry has final (JSON)
+                         the last entry has final (JSON). Only the owner appends, and only
+                         at index `generated`: a retried or stale write is dropped
   queue:{class}   stream one entry per queued request (field rid); consumer group `placement`;
-                         acked and deleted when the request ends
+                         acked and deleted when the request ends or is requeued
+  owned:{vid}     set    ids of the requests running on verifier vid
+  owners          set    verifier ids that may own running requests (the reaper's list)
   queued:{class}  int    requests of the class with status queued (the queue length limit)
   verifier:{id}   hash   address, model, capacity, running, batch_capacity, batch_running,
                          kv_budget, kv_reserved, kv_cached, max_seq_len (expires without heartbeats)
@@ -16,8 +19,12 @@ Keys (prefix `specserve:`):
   result:{hash}   hash   ids, final (JSON) of a finished deterministic request (result cache, TTL)
   session:{sid}   string id of the verifier whose prefix cache holds the session's last turn
 
-Status moves queued -> running -> finished | cancelled | failed, or queued -> cancelled |
-expired (waited past its class timeout or its deadline).
+Status moves queued -> running -> finished | cancelled | failed | expired, or queued ->
+cancelled | expired (waited past its class timeout or its deadline). A running request whose
+verifier died or drained goes back to queued (requeue) with its progress kept in out:{id};
+its next verifier prefills prompt + the tokens generated so far and goes on from there.
+Every write of a running request is fenced by owner: a verifier that lost a request (it was
+requeued while that verifier was thought dead) can no longer write to it.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +82,13 @@ def session_key(sid: str) -> str:
     return f"{PREFIX}session:{sid}"
 
 
+def owned_key(vid: str) -> str:
+    return f"{PREFIX}owned:{vid}"
+
+
+OWNERS_KEY = f"{PREFIX}owners"
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -96,7 +112,72 @@ if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'admitted_ms', ARGV[2])
 local counter = ARGV[3] .. redis.call('HGET', KEYS[1], 'queue')
 if tonumber(redis.call('GET', counter) or '0') > 0 then redis.call('DECR', counter) end
+redis.call('SADD', KEYS[2], ARGV[4])
+redis.call('SADD', KEYS[3], ARGV[1])
 return 1
+"""
+
+# One step of a running request, by its owner ARGV[1]: ids ARGV[3] (comma list, ARGV[4] of
+# them) from index ARGV[2]. Only the part past `generated` is appended: a retried write that
+# went through before appends nothing, one that went through in part appends the rest.
+# Returns {-1, 0} if the caller no longer owns the request (it must drop it), else
+# {cancel flag, generated}; the caller goes on from `generated` (after a gap, which only a
+# Redis that lost writes leaves, it resends from there).
+_COMMIT = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running'
+   or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {-1, 0} end
+local generated = tonumber(redis.call('HGET', KEYS[1], 'generated'))
+local first, n = tonumber(ARGV[2]), tonumber(ARGV[4])
+if generated >= first and generated < first + n then
+  local ids = {}
+  for t in string.gmatch(ARGV[3], '[^,]+') do ids[#ids + 1] = t end
+  redis.call('XADD', KEYS[2], '*', 'first', generated,
+             'ids', table.concat(ids, ',', generated - first + 1))
+  generated = first + n
+  redis.call('HSET', KEYS[1], 'generated', generated)
+end
+local cancel = 0
+if redis.call('HGET', KEYS[1], 'cancel') == '1' then cancel = 1 end
+return {cancel, generated}
+"""
+
+# Ends a running request owned by ARGV[1] with status ARGV[2] and final ARGV[3]; KEYS[3] is
+# its queue, KEYS[4] the owner's set, KEYS[5] the session key ('' value: none).
+# Returns 1, or 0 if the caller does not own it (someone else finishes it).
+_FINISH = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running'
+   or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('XADD', KEYS[2], '*', 'first', ARGV[4], 'ids', '', 'final', ARGV[3])
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'final', ARGV[3])
+local e = redis.call('HGET', KEYS[1], 'entry_id')
+redis.call('XACK', KEYS[3], ARGV[5], e)
+redis.call('XDEL', KEYS[3], e)
+redis.call('SREM', KEYS[4], ARGV[7])
+if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'EX', ARGV[8]) end
+redis.call('EXPIRE', KEYS[1], ARGV[8])
+redis.call('EXPIRE', KEYS[2], ARGV[8])
+return 1
+"""
+
+# Puts a running request owned by ARGV[1] back in its queue (a new entry; the old one is acked
+# and deleted), keeping its progress. KEYS[2] is the owner's set. Returns {queue, entry id},
+# or {} if it is not running there (ended, or already requeued).
+_REQUEUE = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running'
+   or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
+  redis.call('SREM', KEYS[2], ARGV[5])
+  return {}
+end
+local q = redis.call('HGET', KEYS[1], 'queue')
+local e = redis.call('HGET', KEYS[1], 'entry_id')
+redis.call('XACK', ARGV[2] .. q, ARGV[3], e)
+redis.call('XDEL', ARGV[2] .. q, e)
+local id = redis.call('XADD', ARGV[2] .. q, '*', 'rid', ARGV[5])
+redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'entry_id', id)
+redis.call('HINCRBY', KEYS[1], 'requeues', 1)
+redis.call('INCR', ARGV[4] .. q)
+redis.call('SREM', KEYS[2], ARGV[5])
+return {q, id}
 """
 
 # Ends a queued request now with status ARGV[5] (cancelled, expired); with ARGV[6] == '1' a
@@ -106,7 +187,8 @@ _END_QUEUED = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if st == 'queued' then
   redis.call('HSET', KEYS[1], 'status', ARGV[5], 'final', ARGV[1])
-  redis.call('XADD', KEYS[2], '*', 'first', 0, 'ids', '', 'final', ARGV[1])
+  local generated = redis.call('HGET', KEYS[1], 'generated') or 0
+  redis.call('XADD', KEYS[2], '*', 'first', generated, 'ids', '', 'final', ARGV[1])
   local q = redis.call('HGET', KEYS[1], 'queue')
   local e = redis.call('HGET', KEYS[1], 'entry_id')
   redis.call('XACK', ARGV[2] .. q, ARGV[3], e)
@@ -137,20 +219,46 @@ class RequestRecord:
     created_ms: int
     admitted_ms: int
     cancel: bool
+    requeues: int = 0
 
 
 class RequestStore:
     """Request lifecycle in Redis: create, claim, progress, cancel, finish, tail."""
 
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: redis.Redis, probe: redis.Redis | None = None):
         self.r = client
+        self._probe = probe or client  # health checks: one try, short timeouts
         self._create = client.register_script(_CREATE)
         self._claim = client.register_script(_CLAIM)
         self._end_queued = client.register_script(_END_QUEUED)
+        self._commit = client.register_script(_COMMIT)
+        self._finish = client.register_script(_FINISH)
+        self._requeue = client.register_script(_REQUEUE)
 
     @classmethod
     def from_url(cls, url: str) -> RequestStore:
-        return cls(redis.Redis.from_url(url, decode_responses=True, health_check_interval=10))
+        """A client that rides out a short Redis outage: a command that meets a dropped
+        connection is retried with exponential backoff (about 6 s in all) before it fails.
+        Every write here is safe to repeat (scripts check state; steps are written by index)."""
+        retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=10)
+        client = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            health_check_interval=10,
+            socket_connect_timeout=2,
+            socket_timeout=10,
+            retry=retry,
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        )
+        probe = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+        return cls(client, probe)
+
+    def ping(self) -> bool:
+        """True if Redis answers now."""
+        try:
+            return bool(self._probe.ping())
+        except redis.RedisError:
+            return False
 
     def ensure_queues(self) -> None:
         """Creates the queues and their consumer group, and the queued counters if missing
@@ -256,7 +364,56 @@ class RequestStore:
 
     def claim(self, rid: str, vid: str, at_ms: int) -> bool:
         """Moves a queued request to running on verifier `vid`, admitted at `at_ms`."""
-        return bool(self._claim(keys=[req_key(rid)], args=[vid, at_ms, f"{PREFIX}queued:"]))
+        return bool(
+            self._claim(
+                keys=[req_key(rid), owned_key(vid), OWNERS_KEY],
+                args=[vid, at_ms, f"{PREFIX}queued:", rid],
+            )
+        )
+
+    def progress(self, rid: str) -> list[int]:
+        """The tokens generated so far, from the output stream (placed by index, so a
+        repeated entry counts once)."""
+        ids: list[int] = []
+        for _, fields in self.r.xrange(out_key(rid)):
+            chunk = [int(t) for t in fields["ids"].split(",")] if fields.get("ids") else []
+            if int(fields["first"]) == len(ids):
+                ids.extend(chunk)
+        return ids
+
+    def requeue(self, rid: str, vid: str) -> tuple[str, str] | None:
+        """Hands a request running on `vid` back to its queue with its progress; returns
+        (queue class, new entry id), or None if it was not running there."""
+        done = self._requeue(
+            keys=[req_key(rid), owned_key(vid)],
+            args=[vid, f"{PREFIX}queue:", GROUP, f"{PREFIX}queued:", rid],
+        )
+        return (done[0], done[1]) if done else None
+
+    def owned(self, vid: str) -> list[str]:
+        """Requests running on verifier `vid` (as Redis knows it)."""
+        return sorted(self.r.smembers(owned_key(vid)))
+
+    def owners(self) -> list[str]:
+        """Verifiers that may own running requests (registered or not)."""
+        return sorted(self.r.smembers(OWNERS_KEY))
+
+    def forget_owner(self, vid: str) -> None:
+        """Drops `vid` from the owners if it owns nothing (a request it claims re-adds it)."""
+        if not self.r.exists(owned_key(vid)):
+            self.r.srem(OWNERS_KEY, vid)
+
+    def reclaim(self, cls: str, consumer: str, min_idle_ms: int) -> list[tuple[str, str]]:
+        """Queue entries delivered to any consumer and idle for min_idle_ms, now this
+        consumer's (XAUTOCLAIM): what a dead placement consumer read and never placed."""
+        out, start = [], "0-0"
+        while True:
+            start, entries, *_ = self.r.xautoclaim(
+                queue_key(cls), GROUP, consumer, min_idle_ms, start_id=start, count=100
+            )
+            out.extend((eid, fields["rid"]) for eid, fields in entries if fields)
+            if start == "0-0":
+                return out
 
     def get(self, rid: str) -> RequestRecord | None:
         h = self.r.hgetall(req_key(rid))
@@ -273,46 +430,64 @@ class RequestStore:
             created_ms=int(h.get("created_ms", 0)),
             admitted_ms=int(h.get("admitted_ms", 0) or 0),
             cancel=h.get("cancel") == "1",
+            requeues=int(h.get("requeues", 0)),
         )
 
     def commit_step(
-        self, progress: list[tuple[str, int, list[int]]], watch: list[str]
-    ) -> list[bool]:
-        """One round trip per step: append each (rid, first_index, ids) to its output stream,
-        record the generated count, and read the cancel flags of `watch`."""
+        self, vid: str, steps: list[tuple[str, int, list[int]]]
+    ) -> list[tuple[int, int] | None]:
+        """One round trip per step: for each running (rid, first_index, new ids) of verifier
+        `vid`, appends the ids to its output stream (see _COMMIT). Returns per request
+        (state, generated): state 1 if it was cancelled, -1 if `vid` no longer owns it
+        (requeued elsewhere), else 0; None where the write failed (write it again)."""
         pipe = self.r.pipeline(transaction=False)
-        for rid, first, ids in progress:
-            pipe.xadd(out_key(rid), {"first": first, "ids": ",".join(map(str, ids))})
-            pipe.hset(req_key(rid), "generated", first + len(ids))
-        for rid in watch:
-            pipe.hget(req_key(rid), "cancel")
-        results = pipe.execute()
-        return [v == "1" for v in results[2 * len(progress) :]]
+        for rid, first, ids in steps:
+            self._commit(
+                keys=[req_key(rid), out_key(rid)],
+                args=[vid, first, ",".join(map(str, ids)), len(ids)],
+                client=pipe,
+            )
+        results = pipe.execute(raise_on_error=False)
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:  # e.g. NOSCRIPT from a restarted Redis: the rest went through
+            log.warning(
+                "step writes failed", extra={"failed": len(failed), "error": str(failed[0])}
+            )
+        return [None if isinstance(r, Exception) else (int(r[0]), int(r[1])) for r in results]
 
     def finish(
         self,
         rid: str,
+        vid: str,
         status: str,
         final: dict[str, Any],
         queue: str,
-        entry: str,
-        session: tuple[str, str] | None = None,
-    ) -> None:
-        """Ends a request: final stream entry, status, queue entry acked and deleted; with
-        `session` (session id, verifier id), the session's next turn is to go there."""
-        pipe = self.r.pipeline(transaction=True)
-        if session is not None:
-            pipe.set(session_key(session[0]), session[1], ex=RESULT_TTL_SECONDS)
-        pipe.xadd(
-            out_key(rid),
-            {"first": final["usage"]["completion_tokens"], "ids": "", "final": json.dumps(final)},
+        session_id: str = "",
+    ) -> bool:
+        """Ends a request running on `vid`: final stream entry, status, queue entry acked and
+        deleted; with `session_id`, the session's next turn is to go to `vid`. False if `vid`
+        no longer owns the request."""
+        return bool(
+            self._finish(
+                keys=[
+                    req_key(rid),
+                    out_key(rid),
+                    queue_key(queue),
+                    owned_key(vid),
+                    session_key(session_id),
+                ],
+                args=[
+                    vid,
+                    status,
+                    json.dumps(final),
+                    final["usage"]["completion_tokens"],
+                    GROUP,
+                    vid if session_id else "",
+                    rid,
+                    RESULT_TTL_SECONDS,
+                ],
+            )
         )
-        pipe.hset(req_key(rid), mapping={"status": status, "final": json.dumps(final)})
-        pipe.xack(queue_key(queue), GROUP, entry)
-        pipe.xdel(queue_key(queue), entry)
-        pipe.expire(req_key(rid), RESULT_TTL_SECONDS)
-        pipe.expire(out_key(rid), RESULT_TTL_SECONDS)
-        pipe.execute()
 
     # --- gateway side ---------------------------------------------------------------------
     def tail(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:

@@ -13,7 +13,7 @@ import redis
 from google.protobuf import json_format
 
 from ..common import models
-from ..common.grpc_server import Server
+from ..common.grpc_server import Server, retrying_channel
 from ..common.settings import GatewaySettings
 from ..common.store import RequestStore
 from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -30,6 +30,7 @@ from .validation import (
 log = logging.getLogger(__name__)
 
 TAIL_BLOCK_MS = 500
+REDIS_OUTAGE_SECONDS = 30.0  # a stream waits this long for Redis before it gives up
 NO_DEADLINE_SECONDS = 10 * 365 * 86400  # a client deadline further out than this is none
 REGISTRY_TTL_SECONDS = 1.0  # how long the verifiers' largest KV budget is reused
 # Statuses of the scheduler's that the client can act on, passed through as they are.
@@ -102,7 +103,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             yield from self._replay(rid, *hit, list(submit.stop))
             return
         try:
-            self.scheduler.Submit(submit, timeout=self.settings.timeout_seconds)
+            # Waits out a restarting scheduler (within the deadline); Submit is idempotent.
+            self.scheduler.Submit(submit, timeout=self._timeout(context), wait_for_ready=True)
         except grpc.RpcError as e:
             if e.code() in PASS_THROUGH:
                 context.set_trailing_metadata(e.trailing_metadata() or ())
@@ -150,6 +152,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             first_index=len(ids),
             final=info,
         )
+
+    def _timeout(self, context) -> float:
+        """An internal call's deadline: the configured one, or the client's if sooner."""
+        remaining = context.time_remaining()
+        return min(self.settings.timeout_seconds, remaining or self.settings.timeout_seconds)
 
     def _largest_verifier(self) -> tuple[int, int] | None:
         fetched, largest = self._largest
@@ -226,14 +233,28 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     def _stream(self, rid: str, stop: list[str], context, start: int = 0):
         """Chunks of the output stream from token index `start` on; the tokens before it only
-        prime the detokenizer and the stop trimmer, so the text continues seamlessly."""
+        prime the detokenizer and the stop trimmer, so the text continues seamlessly. Each
+        index is sent once, whatever the stream holds; a Redis outage pauses the stream."""
         detok = IncrementalDetokenizer(
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         )
         trimmer = StopTrimmer(stop)
         last_id = "0-0"
+        outage = None
         while context.is_active():
-            for entry_id, fields in self.store.tail(rid, last_id, TAIL_BLOCK_MS):
+            try:
+                entries = self.store.tail(rid, last_id, TAIL_BLOCK_MS)
+                outage = None
+            except redis.RedisError:
+                outage = outage or time.monotonic()
+                if time.monotonic() - outage > REDIS_OUTAGE_SECONDS:
+                    context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"request state is unavailable; re-attach with resume_from={start}",
+                    )
+                time.sleep(0.5)
+                continue
+            for entry_id, fields in entries:
                 last_id = entry_id
                 ids = [int(t) for t in fields["ids"].split(",")] if fields.get("ids") else []
                 first = int(fields["first"])
@@ -245,6 +266,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     yield generation_pb2.GenerateResponse(
                         request_id=rid, text=text, token_ids=ids, first_index=first
                     )
+                    start = first + len(ids)
                 if "final" in fields:
                     yield self._final_chunk(
                         rid,
@@ -273,6 +295,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self.scheduler.Cancel(
                 scheduler_pb2.SchedulerCancelRequest(request_id=rid),
                 timeout=self.settings.timeout_seconds,
+                wait_for_ready=True,
             )
         except grpc.RpcError as e:
             log.warning(
@@ -354,7 +377,8 @@ def build(settings: GatewaySettings):
     tokenizer = models.load_tokenizer(path)
     store = RequestStore.from_url(settings.redis_url)
     store.r.ping()
-    scheduler = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(settings.scheduler_address))
+    name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+    scheduler = scheduler_pb2_grpc.SchedulerStub(retrying_channel(settings.scheduler_address, name))
     service = GenerationService(settings, tokenizer, store, scheduler, manifest)
     server = Server(
         settings.host,
@@ -364,6 +388,6 @@ def build(settings: GatewaySettings):
     )
     server.grpc.add_generic_rpc_handlers((_handler(service),))
     server.start()
-    server.set_serving(True)
+    server.watch({"redis reachable": store.ping})
     log.info("gateway ready", extra={"port": server.port, "model": settings.model.label})
     return server, lambda: None

@@ -29,3 +29,11 @@ QUEUE_WAIT = Histogram(
     ["priority"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 1800),
 )
+REQUEUED = Counter(
+    "specserve_scheduler_requeued_total",
+    "Running requests put back in their queue because their verifier died.",
+)
+RECLAIMED = Counter(
+    "specserve_scheduler_reclaimed_total",
+    "Queue entries taken over from a placement consumer that went quiet (XAUTOCLAIM).",
+)

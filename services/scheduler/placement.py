@@ -55,7 +55,7 @@ def parse_verifiers(rows: list[dict[str, str]]) -> list[VerifierLoad]:
             max_seq_len=int(r.get("max_seq_len", 0)),
         )
         for r in rows
-        if "address" in r
+        if "address" in r and r.get("draining") != "1"
     ]
 
 

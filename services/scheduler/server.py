@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -11,7 +12,7 @@ import grpc
 from google.protobuf import json_format
 
 from ..common.capacity import kv_fit_problem
-from ..common.grpc_server import Server
+from ..common.grpc_server import Server, retrying_channel
 from ..common.settings import SchedulerSettings
 from ..common.store import QUEUE_CLASSES, RequestStore, now_ms
 from ..v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -20,13 +21,16 @@ from .placement import VerifierLoad, Want, choose_verifier, class_order, parse_v
 
 log = logging.getLogger(__name__)
 
+VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+
 CLASS_NAMES = {
     common_pb2.PRIORITY_CLASS_INTERACTIVE: "interactive",
     common_pb2.PRIORITY_CLASS_BATCH: "batch",
 }
 
 
-EXPIRY_PERIOD_SECONDS = 0.5
+EXPIRY_PERIOD_SECONDS = 0.5  # expiry of waiting requests, and the dead-verifier check
+RECLAIM_PERIOD_SECONDS = 5.0
 EXPIRY_SCAN = 1000  # queue entries looked at per class and scan (running ones included)
 
 
@@ -40,7 +44,8 @@ def ended_final(reason: str, prompt_tokens: int, error: str = "") -> dict:
 
 
 class VerifierClients:
-    """One channel per verifier address, reused."""
+    """One channel per verifier address, reused; UNAVAILABLE is retried with backoff (Admit,
+    Cancel and Status are idempotent)."""
 
     def __init__(self):
         self._stubs: dict[str, verifier_pb2_grpc.VerifierStub] = {}
@@ -50,7 +55,7 @@ class VerifierClients:
         with self._lock:
             if address not in self._stubs:
                 self._stubs[address] = verifier_pb2_grpc.VerifierStub(
-                    grpc.insecure_channel(address)
+                    retrying_channel(address, VERIFIER_SERVICE)
                 )
             return self._stubs[address]
 
@@ -123,7 +128,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
 class Placer:
     """Moves queued requests onto verifiers, interactive first (see `class_order`); ends
-    requests that waited past their class timeout or deadline."""
+    requests that waited past their class timeout or deadline; requeues the running requests
+    of verifiers that died; takes over queue entries another scheduler read and left."""
 
     def __init__(
         self,
@@ -143,27 +149,72 @@ class Placer:
         # Entries read from the queues and not yet placed, per class (oldest first).
         self.waiting: dict[str, deque[tuple[str, str]]] = {c: deque() for c in QUEUE_CLASSES}
         self.streak = 0  # interactive placements in a row while batch work waited
+        self.missing: dict[str, float] = {}  # verifier id -> when its registry entry was gone
         self._next_expiry = 0.0
+        self._next_reclaim = 0.0
         self.stop = threading.Event()
 
     def recover(self) -> None:
         """Entries this consumer read before a restart and never placed are placed again."""
         for cls in QUEUE_CLASSES:
-            for entry in self.store.pending_entries(cls, self.consumer):
-                self.waiting[cls].append(entry)
+            self._add_waiting(cls, self.store.pending_entries(cls, self.consumer))
+
+    def _add_waiting(self, cls: str, entries: list[tuple[str, str]]) -> None:
+        known = {eid for eid, _ in self.waiting[cls]}
+        self.waiting[cls].extend(e for e in entries if e[0] not in known)
 
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                if time.monotonic() >= self._next_expiry:
+                now = time.monotonic()
+                if now >= self._next_reclaim:
+                    self.reclaim()
+                    self._next_reclaim = now + RECLAIM_PERIOD_SECONDS
+                if now >= self._next_expiry:
                     self.expire_waiting()
-                    self._next_expiry = time.monotonic() + EXPIRY_PERIOD_SECONDS
+                    self.requeue_orphans()
+                    self._next_expiry = now + EXPIRY_PERIOD_SECONDS
                 placed = self.place_some()
             except Exception:
                 log.exception("placement failed; retrying")
                 placed = False
             if not placed:
                 self.stop.wait(self.settings.placement_poll_seconds)
+
+    def requeue_orphans(self) -> None:
+        """Requeues, with their progress, the running requests of verifiers whose registry
+        entry has been gone (heartbeats missed) for the grace period."""
+        live = {v["id"] for v in self.store.live_verifiers()}
+        now = time.monotonic()
+        for vid in self.store.owners():
+            if vid in live:
+                self.missing.pop(vid, None)
+                continue
+            gone = now - self.missing.setdefault(vid, now)
+            if gone < self.settings.dead_verifier_grace_seconds:
+                continue
+            for rid in self.store.owned(vid):
+                if requeued := self.store.requeue(rid, vid):
+                    cls, entry = requeued
+                    self.waiting[cls].appendleft((entry, rid))  # it waited once already
+                    metrics.REQUEUED.inc()
+                    log.warning("requeued", extra={"request_id": rid, "verifier": vid})
+            self.store.forget_owner(vid)
+            self.missing.pop(vid, None)
+
+    def reclaim(self) -> None:
+        """Takes over the entries other placement consumers read and left idle (a scheduler
+        that died): the queued ones among them wait here now."""
+        idle_ms = int(self.settings.reclaim_idle_seconds * 1000)
+        for cls in QUEUE_CLASSES:
+            entries = self.store.reclaim(cls, self.consumer, idle_ms)
+            known = {eid for eid, _ in self.waiting[cls]}
+            fresh = [e for e in entries if e[0] not in known]
+            queued = [e for e in fresh if (rec := self.store.get(e[1])) and rec.status == "queued"]
+            if queued:
+                metrics.RECLAIMED.inc(len(queued))
+                log.info("reclaimed", extra={"class": cls, "entries": len(queued)})
+            self._add_waiting(cls, queued)
 
     def place_some(self) -> bool:
         """Places waiting requests until none fits; True if any was placed."""
@@ -190,7 +241,7 @@ class Placer:
 
     def _head(self, cls: str) -> tuple[str, str] | None:
         if not self.waiting[cls]:
-            self.waiting[cls].extend(self.store.read_queue(cls, self.consumer, 1))
+            self._add_waiting(cls, self.store.read_queue(cls, self.consumer, 1))
         return self.waiting[cls][0] if self.waiting[cls] else None
 
     def _place_head(self, cls: str, loads: list[VerifierLoad]) -> bool:
@@ -295,13 +346,14 @@ def build(settings: SchedulerSettings):
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(
         SchedulerService(settings, store, clients), server.grpc
     )
-    placer = Placer(settings, store, clients, consumer="scheduler")
+    consumer = settings.scheduler_id or socket.gethostname()
+    placer = Placer(settings, store, clients, consumer=consumer)
     placer.recover()
     thread = threading.Thread(target=placer.run, name="placement", daemon=True)
     thread.start()
     server.start()
-    server.set_serving(True)
-    log.info("scheduler ready", extra={"port": server.port})
+    server.watch({"redis reachable": store.ping})
+    log.info("scheduler ready", extra={"port": server.port, "consumer": placer.consumer})
 
     def on_stop() -> None:
         placer.stop.set()

@@ -1,6 +1,8 @@
 """The verifier's decode loop: admit; then per step plan, draft, verify, accept, emit, retire.
 
 One thread runs the loop; RPC handlers only hand it work through `admit` and `cancel`.
+Every step's tokens are written to Redis before the next step runs, fenced by ownership: a
+request this verifier lost (requeued while it was thought dead) is dropped, not written.
 Continuous batching: sequences join and leave at every step. A prompt is prefilled in chunks
 of at most `max_prefill_tokens` per step (interactive prompts first), in the same forward pass
 as the running sequences' decode steps, so a long prompt never stalls them.
@@ -28,6 +30,12 @@ from .sequence import Sequence
 from .speculator import Speculator
 
 log = logging.getLogger(__name__)
+
+STATUS_BY_REASON = {
+    "FINISH_REASON_CANCELLED": "cancelled",
+    "FINISH_REASON_ERROR": "failed",
+    "FINISH_REASON_DEADLINE": "expired",
+}
 
 
 class Engine:
@@ -57,10 +65,11 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.running: dict[str, Sequence] = {}  # owned by the loop thread
         self._inbox: queue.Queue[Sequence] = queue.Queue()
-        self._cancel: set[str] = set()
+        self._cancel: dict[str, int] = {}  # request id -> step count when cancelled
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.steps = 0
+        self.tick = time.monotonic()  # when the loop last went round (the wedge check)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # --- called from RPC threads ----------------------------------------------------------
@@ -83,7 +92,7 @@ class Engine:
             found = request_id in self.running or any(
                 s.request_id == request_id for s in list(self._inbox.queue)
             )
-            self._cancel.add(request_id)
+            self._cancel.setdefault(request_id, self.steps)
         return found
 
     def running_ids(self) -> list[str]:
@@ -97,9 +106,34 @@ class Engine:
         self._stop.set()
         self.thread.join(timeout=30)
 
+    def alive(self, stall_seconds: float) -> bool:
+        """False if the loop thread died or one round has taken over `stall_seconds`."""
+        return self.thread.is_alive() and time.monotonic() - self.tick < stall_seconds
+
+    def drain(self, grace_seconds: float) -> int:
+        """Lets the running requests finish for up to `grace_seconds` (admission is closed
+        by the caller), stops the loop, then hands what is left back to the queue with its
+        progress. Returns how many were handed back."""
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline and (self.running or not self._inbox.empty()):
+            time.sleep(0.05)
+        self.stop()
+        self._take_new(block=False)
+        handed = 0
+        for seq in list(self.running.values()):
+            try:
+                self._flush([seq])
+                handed += self.store.requeue(seq.request_id, self.verifier_id) is not None
+            except Exception:  # the reaper requeues it once this verifier is gone
+                log.exception("hand back failed", extra={"request_id": seq.request_id})
+            self._drop(seq, "handed back")
+        metrics.HANDED_BACK.inc(handed)
+        return handed
+
     # --- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self.tick = time.monotonic()
             self._take_new(block=not self.running)
             if self.running:
                 try:
@@ -117,6 +151,8 @@ class Engine:
         except queue.Empty:
             return
         while True:
+            if seq.restored:  # taken over: it may have ended with its last restored token
+                self._finished(seq)
             with self._lock:
                 self.running[seq.request_id] = seq
             try:
@@ -159,7 +195,8 @@ class Engine:
     def _plan(self) -> list[tuple[Sequence, int]]:
         """The sequences that take part in this step (running, not cancelled, not finished),
         each with how many of its pending tokens it feeds: all of them when decoding; for a
-        prompt, a chunk of the step's prefill budget (interactive prompts first)."""
+        prompt, a chunk of the step's prefill budget (interactive prompts first). A deadline
+        that passed ends its sequence at the end of the step (`_emit`)."""
         with self._lock:
             for seq in self.running.values():
                 seq.cancelled |= seq.request_id in self._cancel
@@ -198,55 +235,84 @@ class Engine:
         return seq.check_finished(self.eos_ids, self.max_seq_len, self._tail_text)
 
     def _emit(self, seqs: list[Sequence]) -> None:
-        """Writes new tokens to Redis in one round trip; retires the sequences that ended."""
-        progress = [
-            (s.request_id, s.num_emitted, s.output_ids[s.num_emitted :])
-            for s in seqs
-            if len(s.output_ids) > s.num_emitted
-        ]
-        cancel_flags = self.store.commit_step(progress, [s.request_id for s in seqs])
-        for seq, flagged in zip(seqs, cancel_flags, strict=True):
-            seq.num_emitted = len(seq.output_ids)
-            seq.cancelled |= flagged
+        """Writes new tokens to Redis in one round trip; retires the sequences that ended and
+        drops those this verifier no longer owns."""
+        for seq, state in zip(seqs, self._flush(seqs), strict=True):
+            if state < 0:
+                self._drop(seq, "lost: the request was requeued elsewhere")
+                continue
+            seq.cancelled |= state == 1
             if self._finished(seq):
                 self._retire(seq)
+
+    def _flush(self, seqs: list[Sequence]) -> list[int]:
+        """Writes each sequence's unwritten tokens; per sequence the state commit_step
+        returns (1 cancelled, -1 not ours any more, 0 else). What Redis holds decides what
+        counts as written: a failed write is sent again with the next step."""
+        results = self.store.commit_step(
+            self.verifier_id,
+            [(s.request_id, s.num_emitted, s.output_ids[s.num_emitted :]) for s in seqs],
+        )
+        states = []
+        for seq, result in zip(seqs, results, strict=True):
+            state, generated = result or (0, seq.num_emitted)
+            if state >= 0:
+                seq.num_emitted = min(generated, len(seq.output_ids))
+            states.append(state)
+        return states
 
     def _tail_text(self, seq: Sequence) -> str:
         longest = max(len(s) for s in seq.stop)
         return self.decode(seq.output_ids[-(longest + 8) :])
 
     def _retire(self, seq: Sequence) -> None:
-        status = {"FINISH_REASON_CANCELLED": "cancelled", "FINISH_REASON_ERROR": "failed"}.get(
-            seq.finish_reason, "finished"
-        )
+        status = STATUS_BY_REASON.get(seq.finish_reason, "finished")
         if seq.kv_kept is None:  # once, even if finishing in Redis fails and is retried
             prefix = None
             keep = self.prefix_cache and seq.session_id and status == "finished"
             if keep and seq.kv is not None:
                 prefix = CachedPrefix(seq.all_ids[: seq.kv.length], seq.kv)
-            self.runner.release(seq)  # the sequence no longer uses its buffer
-            seq.kv_kept = self.admission.release(seq.request_id, seq.session_id, prefix)
-            self.speculator.forget(seq)
-        self.store.finish(
+            self._free(seq, prefix)
+        owned = self.store.finish(
             seq.request_id,
+            self.verifier_id,
             status,
             seq.final_info(),
             seq.queue,
-            seq.entry_id,
-            session=(seq.session_id, self.verifier_id) if seq.kv_kept else None,
+            seq.session_id if seq.kv_kept else "",
         )
-        with self._lock:
-            self.running.pop(seq.request_id, None)
-            self._cancel.discard(seq.request_id)
+        cancel_steps = self._forget(seq)
+        if cancel_steps is not None:
+            metrics.CANCEL_STEPS.observe(cancel_steps)
         log.info(
-            "request ended",
+            "request ended" if owned else "request lost: requeued elsewhere",
             extra={
                 "request_id": seq.request_id,
                 "status": status,
                 "tokens": len(seq.output_ids),
                 "steps": seq.steps,
+                "cancel_steps": cancel_steps,
             },
         )
+
+    def _drop(self, seq: Sequence, why: str) -> None:
+        """Removes a sequence without ending its request (another verifier goes on with it)."""
+        if seq.kv_kept is None:
+            self._free(seq, None)
+        self._forget(seq)
+        log.info("request dropped", extra={"request_id": seq.request_id, "reason": why})
+
+    def _free(self, seq: Sequence, prefix: CachedPrefix | None) -> None:
+        self.runner.release(seq)  # the sequence no longer uses its buffer
+        seq.kv_kept = self.admission.release(seq.request_id, seq.session_id, prefix)
+        self.speculator.forget(seq)
+
+    def _forget(self, seq: Sequence) -> int | None:
+        """Removes the sequence from the batch; the steps since it was cancelled, if it was."""
+        with self._lock:
+            self.running.pop(seq.request_id, None)
+            cancelled_at = self._cancel.pop(seq.request_id, None)
+        return None if cancelled_at is None else self.steps - cancelled_at
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -53,3 +53,12 @@ TREE_BUDGET = Histogram(
     buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
 )
 DRAFTERS = Gauge("specserve_verifier_drafters", "Drafters this verifier streams with.")
+CANCEL_STEPS = Histogram(
+    "specserve_verifier_cancel_steps",
+    "Steps from a Cancel reaching the verifier to the sequence leaving the batch.",
+    buckets=(0, 1, 2, 3, 5, 10, 20),
+)
+HANDED_BACK = Counter(
+    "specserve_verifier_handed_back_total",
+    "Unfinished requests handed back to the queue on drain.",
+)

@@ -31,7 +31,7 @@ class ModelRunner:
         prefilling = [seq for seq in seqs if seq.prefilling]
         for seq, tree, take in zip(seqs, trees, takes or [None] * len(seqs), strict=True):
             if seq.kv is None:
-                seq.kv = self.model.new_kv(len(seq.prompt_ids) + 64, seq.kv_limit)
+                seq.kv = self.model.new_kv(len(seq.all_ids) + 64, seq.kv_limit)
             segments.append(tree_segment(seq, tree, take))
         logits = [rows.cpu() for rows in self.model.forward(segments)]  # acceptance runs here
         elapsed_ms = (time.perf_counter() - started) * 1000

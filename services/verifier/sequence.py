@@ -30,6 +30,8 @@ class Sequence:
     speculate: bool = True  # False when the request pinned speculation off
     tree_size: int | None = None  # the request's fixed tree size, if it set one
     session_id: str = ""
+    deadline_ms: int = 0  # unix ms after which the request stops (0: none)
+    restored: int = 0  # output tokens generated before this verifier took the request over
     kv_limit: int | None = None  # KV entries reserved at admission; the buffer stays within
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     kv_kept: bool | None = None  # set when retired: whether the prefix cache kept its KV
@@ -64,8 +66,9 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        """True until the whole prompt is in the KV cache (it may take several chunks)."""
-        return self.num_computed < len(self.prompt_ids)
+        """True until the whole prompt is in the KV cache (it may take several chunks); for a
+        request taken over from another verifier, the prompt and the restored tokens."""
+        return self.num_computed < len(self.prompt_ids) + self.restored
 
     def pending_input(self, limit: int | None = None) -> list[int]:
         """Tokens the model has not seen yet (the prompt at first, then the last token); at
@@ -93,6 +96,9 @@ class Sequence:
         reason = None
         if self.cancelled:
             reason = "FINISH_REASON_CANCELLED"
+        elif self.deadline_ms and time.time() * 1000 >= self.deadline_ms:
+            reason = "FINISH_REASON_DEADLINE"
+            self.error = "the deadline passed while it ran"
         elif self.output_ids and self.output_ids[-1] in eos_ids:
             reason = "FINISH_REASON_EOS"
         elif self.stop and any(s in decode_tail(self) for s in self.stop):

@@ -27,8 +27,10 @@ from .speculator import Speculator
 log = logging.getLogger(__name__)
 
 
-def sequence_from_record(rec) -> Sequence:
-    """Builds the running sequence of a request from its Redis record."""
+def sequence_from_record(rec, restored: list[int]) -> Sequence:
+    """Builds the running sequence of a request from its Redis record and the tokens it
+    generated before (on a verifier that died or drained): they are prefilled with the
+    prompt, and generation goes on after them."""
     spec = rec.spec
     sampling = spec.get("sampling", {})
     speculation = spec.get("speculation", {})
@@ -46,6 +48,10 @@ def sequence_from_record(rec) -> Sequence:
         speculate=speculation.get("mode") != "SPECULATION_MODE_OFF",
         tree_size=int(speculation["tree_size"]) if "tree_size" in speculation else None,
         session_id=spec.get("session_id", ""),
+        deadline_ms=int(spec.get("deadline_unix_ms", 0)),
+        output_ids=list(restored),
+        num_emitted=len(restored),
+        restored=len(restored),
         queue=rec.queue,
         entry_id=rec.entry_id,
         created_ms=rec.created_ms,
@@ -67,6 +73,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.store = store
         self.verifier_id = verifier_id
         self.model_label = model_label
+        self.draining = False  # set on SIGTERM: no new work
 
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> pb.AdmitResponse:
         rid = request.request_id
@@ -74,18 +81,20 @@ class VerifierService(pb_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         admission = self.engine.admission
         if admission.holds(rid):
-            return pb.AdmitResponse(admitted=True, free_slots=self._free())
+            return self._held(rid)
+        if self.draining:
+            return pb.AdmitResponse(admitted=False, reason="the verifier is draining")
         rec = self.store.get(rid)
         if rec is None or rec.status != "queued":
             return pb.AdmitResponse(admitted=False, reason="the request is not queued")
-        seq = sequence_from_record(rec)
+        seq = sequence_from_record(rec, self.store.progress(rid) if rec.generated else [])
         need = kv_need(len(seq.prompt_ids), seq.max_tokens, self.settings.max_seq_len)
         try:
             grant = admission.admit(rid, seq.queue, need, seq.session_id)
         except Refused as e:
             return pb.AdmitResponse(admitted=False, free_slots=self._free(), reason=str(e))
         if grant is None:  # a concurrent Admit of the same request (a retry) is admitting it
-            return pb.AdmitResponse(admitted=True, free_slots=self._free())
+            return self._held(rid)
         seq.admitted_ms = now_ms()
         try:
             claimed = self.store.claim(rid, self.verifier_id, seq.admitted_ms)
@@ -101,11 +110,22 @@ class VerifierService(pb_grpc.VerifierServicer):
             extra={
                 "request_id": rid,
                 "prompt_tokens": len(seq.prompt_ids),
+                "restored_tokens": seq.restored,
                 "kv_tokens": grant.tokens,
                 "cached_tokens": seq.cached_tokens,
             },
         )
         return pb.AdmitResponse(admitted=True, free_slots=self._free())
+
+    def _held(self, rid: str) -> pb.AdmitResponse:
+        """Admit of a request this verifier holds: a retry (admitted), unless the request was
+        requeued while this verifier was thought dead and its old copy is still leaving."""
+        rec = self.store.get(rid)
+        if rec is not None and rec.owner == self.verifier_id and rec.status == "running":
+            return pb.AdmitResponse(admitted=True, free_slots=self._free())
+        return pb.AdmitResponse(
+            admitted=False, reason="an earlier copy of the request is still leaving this verifier"
+        )
 
     def Cancel(self, request, context) -> pb.VerifierCancelResponse:
         return pb.VerifierCancelResponse(found=self.engine.cancel(request.request_id))
@@ -141,6 +161,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             "batch_capacity": admission.batch_slots,
             "kv_budget": admission.kv_budget,
             "max_seq_len": self.settings.max_seq_len,
+            "draining": int(self.draining),
             **load,
         }
 
@@ -195,7 +216,12 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         daemon=True,
     )
     heartbeat.start()
-    server.set_serving(True)
+    server.watch(
+        {
+            "redis reachable": store.ping,
+            "decode loop going round": lambda: engine.alive(settings.stall_seconds),
+        }
+    )
     log.info(
         "verifier ready",
         extra={
@@ -209,9 +235,13 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     )
 
     def on_stop() -> None:
+        """Drain: no new work; the batch finishes within the grace period, the rest goes
+        back to the queue with its progress; then the registry entry goes."""
+        service.draining = True
+        handed = engine.drain(settings.drain_seconds)
+        log.info("drained", extra={"handed_back": handed})
         stop_hb.set()
         heartbeat.join(timeout=5)
-        engine.stop()
         speculator.close()
 
     return server, on_stop

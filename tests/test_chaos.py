@@ -1,0 +1,354 @@
+"""Chaos: the whole cluster (2 verifiers, 2 drafters, a private Redis with AOF) serves a stream
+of concurrent greedy requests; in the middle one part is killed. Clients re-attach with
+`resume_from` when their stream breaks. Nothing may be lost: every request ends, every index
+arrives exactly once, and every output equals the undisturbed greedy output."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from conftest import cluster_config
+from helpers import request
+from specserve.common.store import ENDED, GROUP, QUEUE_CLASSES, RequestStore, queue_key
+from specserve.local_cluster import LocalCluster, free_port
+from specserve.v1 import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
+from specserve.verifier.reference import hf_greedy
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "class Stack:\n    def __init__(self):",
+    "import os\nfor root, dirs, files in",
+    "SELECT name FROM users WHERE",
+    "fn main() {\n    let v = vec![",
+    "# Sort a list of numbers\nnumbers = [5, 3, 8",
+]
+MAX_TOKENS = 400
+REQUESTS = 12  # more than the 8 batch slots: some wait in the queue when the kill comes
+
+
+@dataclass
+class Client:
+    """One request seen from the client: what arrived, when, and how often it re-attached."""
+
+    rid: str
+    prompt_ids: list[int]
+    arrivals: list[tuple[float, int, list[int]]] = field(default_factory=list)
+    final: generation_pb2.FinalInfo | None = None
+    error: str = ""
+    reattached: int = 0
+
+    @property
+    def received(self) -> int:
+        return sum(len(ids) for _, _, ids in self.arrivals)
+
+    def ids(self) -> list[int]:
+        return [t for _, _, ids in sorted(self.arrivals, key=lambda a: a[1]) for t in ids]
+
+    def run(self, address: str, give_up_s: float = 240) -> None:
+        """Generate; on a broken stream re-attach from the next index (Generate again if
+        the request never reached the queue) until the final chunk arrives."""
+        deadline = time.monotonic() + give_up_s
+        exists = False
+        with grpc.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            while time.monotonic() < deadline:
+                if exists or self.reattached:
+                    req = generation_pb2.GenerateRequest(
+                        request_id=self.rid, resume_from=self.next_index()
+                    )
+                else:
+                    req = request(prompt_ids=self.prompt_ids, max_tokens=MAX_TOKENS)
+                    req.request_id = self.rid
+                try:
+                    for chunk in stub.Generate(req, timeout=120):
+                        exists = True
+                        if chunk.token_ids:
+                            self.arrivals.append(
+                                (time.monotonic(), chunk.first_index, list(chunk.token_ids))
+                            )
+                        if chunk.HasField("final"):
+                            self.final = chunk.final
+                            return
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.NOT_FOUND:
+                        exists = False  # never accepted: submit it (again)
+                    elif e.code() != grpc.StatusCode.UNAVAILABLE:
+                        self.error = f"{e.code().name}: {e.details()}"
+                        return
+                self.reattached += 1
+                time.sleep(0.3)
+            self.error = "gave up"
+
+    def next_index(self) -> int:
+        return max((first + len(ids) for _, first, ids in self.arrivals), default=0)
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory, tiny_model_dir):
+    config = cluster_config(
+        tiny_model_dir,
+        common={"log_level": "INFO", "heartbeat_seconds": 0.5, "drain_seconds": 1},
+        scheduler={"dead_verifier_grace_seconds": 0.5},
+        verifier={"speculative_decoding": True, "draft_timeout_seconds": 1.0},
+    )
+    cluster = LocalCluster(config, tmp_path_factory.mktemp("chaos"), redis_aof=True)
+    cluster.start(timeout=180, gateway_port=free_port())
+    try:
+        cluster.start_service("drafter", instance="drafter-2")
+        start_verifier(cluster, "verifier-2")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def store(chaos):
+    return RequestStore.from_url(chaos.redis_url)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model, tokenizer):
+    """The undisturbed greedy output of each prompt."""
+    return {p: hf_greedy(tiny_model, tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS}
+
+
+def start_verifier(cluster: LocalCluster, key: str) -> None:
+    drafter = cluster.procs["drafter"].address if "drafter" in cluster.procs else ""
+    env = {"SPECSERVE_VERIFIER_DRAFTER_ADDRESSES": f'["{drafter}"]'} if drafter else {}
+    cluster.start_service("verifier", env, instance=key)
+    cluster.wait_ready(key, 120)
+
+
+def restart(cluster: LocalCluster, key: str, port: int = 0) -> None:
+    name = key.split("-")[0]
+    env = {}
+    if name == "gateway":
+        env["SPECSERVE_GATEWAY_SCHEDULER_ADDRESS"] = cluster.procs["scheduler"].address
+    if name == "verifier":
+        start_verifier(cluster, key)
+        return
+    cluster.start_service(name, env, port=port, instance=key)
+    cluster.wait_ready(key, 120)
+
+
+def busiest_verifier(cluster: LocalCluster, store: RequestStore) -> str:
+    keys = [k for k in cluster.procs if k.startswith("verifier")]
+    return max(keys, key=lambda k: len(store.owned(cluster.procs[k].address)))
+
+
+def kill_and_restart(kind: str):
+    """What a scenario does to the cluster at the kill moment; returns what to restore after
+    the workload (None if it restored already)."""
+
+    def act(cluster: LocalCluster, store: RequestStore):
+        if kind == "verifier":
+            key = busiest_verifier(cluster, store)
+            cluster.kill(key)
+            return lambda: restart(cluster, key)
+        if kind == "drafter":
+            cluster.kill("drafter")
+            return lambda: restart(cluster, "drafter")
+        if kind == "redis":
+            cluster.kill_redis()
+            time.sleep(1.0)
+            cluster.start_redis()
+            return None
+        port = cluster.procs[kind].port  # scheduler, gateway: back on the same port
+        cluster.kill(kind)
+        restart(cluster, kind, port)
+        return None
+
+    return act
+
+
+def run_workload(cluster, store, expected, tokenizer, name: str, act) -> dict:
+    address = cluster.procs["gateway"].address
+    clients = [
+        Client(f"chaos-{name}-{i}", tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids)
+        for i in range(REQUESTS)
+    ]
+    threads = [threading.Thread(target=c.run, args=(address,), daemon=True) for c in clients]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    waited = time.monotonic() + 60
+    while sum(c.received >= 8 for c in clients) < 4 and time.monotonic() < waited:
+        time.sleep(0.02)
+    in_flight = [c for c in clients if c.received and c.final is None]  # streaming now
+    killed_at = time.monotonic()
+    restore = act(cluster, store)
+    for t in threads:
+        t.join(timeout=300)
+    if restore:
+        restore()
+    return report(name, clients, in_flight, killed_at, store, expected, tokenizer)
+
+
+def report(name, clients, in_flight, killed_at, store, expected, tokenizer) -> dict:
+    lost = duplicates = wrong = 0
+    for c in clients:
+        indices = [first + k for _, first, ids in c.arrivals for k in range(len(ids))]
+        duplicates += len(indices) - len(set(indices))
+        total = c.final.usage.completion_tokens if c.final else len(set(indices))
+        missing = set(range(total)) - set(indices)
+        lost += len(missing)
+        prompt = tokenizer.decode(c.prompt_ids)
+        wrong += c.ids() != expected[prompt]
+    after = [
+        min((at for at, _, _ in c.arrivals if at > killed_at), default=killed_at)
+        for c in in_flight
+        if c.final is not None
+    ]
+    row = {
+        "scenario": name,
+        "requests": len(clients),
+        "completed": sum(c.final is not None for c in clients),
+        "resumed": sum(c.reattached > 0 for c in clients),
+        "tokens lost": lost,
+        "duplicates": duplicates,
+        "wrong outputs": wrong,
+        "recovery s": round(max(after, default=killed_at) - killed_at, 2),
+        "errors": [c.error for c in clients if c.error],
+        "pending": sum(
+            int(store.r.xpending(queue_key(q), GROUP)["pending"]) for q in QUEUE_CLASSES
+        ),
+    }
+    print(
+        "\n"
+        + " | ".join(f"{k}: {v}" for k, v in row.items() if k != "errors")
+        + (f" | errors: {row['errors']}" if row["errors"] else "")
+    )
+    return row
+
+
+def assert_nothing_lost(row: dict) -> None:
+    assert row["errors"] == []
+    assert row["completed"] == row["requests"]
+    assert row["tokens lost"] == 0
+    assert row["duplicates"] == 0
+    assert row["wrong outputs"] == 0
+    assert row["pending"] == 0
+
+
+@pytest.mark.parametrize("kind", ["verifier", "drafter", "scheduler", "gateway", "redis"])
+def test_killing_one_part_loses_nothing(chaos, store, expected, tokenizer, kind):
+    row = run_workload(chaos, store, expected, tokenizer, kind, kill_and_restart(kind))
+    assert_nothing_lost(row)
+    if kind == "gateway":
+        assert row["resumed"] > 0  # the clients whose stream broke re-attached
+    assert all(not store.owned(v) for v in store.owners())
+
+
+def test_sigterm_drains_a_verifier_with_no_failed_request(chaos, store, expected, tokenizer):
+    codes = []
+
+    def act(cluster, store):
+        key = busiest_verifier(cluster, store)
+        codes.append(cluster.kill(key, signal.SIGTERM))  # waits for the exit
+        return lambda: restart(cluster, key)
+
+    row = run_workload(chaos, store, expected, tokenizer, "verifier SIGTERM", act)
+    assert codes == [0]
+    assert_nothing_lost(row)
+
+
+def verifier_stubs(cluster):
+    return [
+        verifier_pb2_grpc.VerifierStub(grpc.insecure_channel(p.address))
+        for k, p in cluster.procs.items()
+        if k.startswith("verifier")
+    ]
+
+
+def wait_until_gone(stubs, rid: str, timeout: float = 10) -> int:
+    """Waits until no verifier runs `rid`; returns the steps the verifiers took meanwhile."""
+    before = sum(s.Status(verifier_pb2.VerifierStatusRequest(), timeout=5).steps for s in stubs)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = [s.Status(verifier_pb2.VerifierStatusRequest(), timeout=5) for s in stubs]
+        if all(rid not in st.request_ids for st in status):
+            return sum(st.steps for st in status) - before
+        time.sleep(0.005)
+    raise AssertionError(f"{rid} still runs {timeout}s later")
+
+
+def test_cancel_frees_the_slot_within_a_step_or_two(chaos, tokenizer):
+    stubs = verifier_stubs(chaos)
+    with grpc.insecure_channel(chaos.procs["gateway"].address) as channel:
+        gateway = generation_pb2_grpc.GenerationStub(channel)
+        req = request(prompt_ids=tokenizer(PROMPTS[0]).input_ids, max_tokens=1000)
+        req.request_id = "chaos-cancel"
+        stream = gateway.Generate(req, timeout=60)
+        next(stream)
+        gateway.Cancel(generation_pb2.CancelRequest(request_id="chaos-cancel"), timeout=10)
+        steps = wait_until_gone(stubs, "chaos-cancel")
+        print(f"\ncancel: the sequence left the batch after {steps} verifier step(s)")
+        assert steps <= 3
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+
+
+def wait_ended(store: RequestStore, rid: str, timeout: float = 15):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rec = store.get(rid)
+        if rec is not None and rec.status in ENDED:
+            return rec
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} did not end within {timeout}s")
+
+
+def test_a_passed_deadline_stops_the_work_and_reports_deadline_exceeded(chaos, store, tokenizer):
+    ids = tokenizer(PROMPTS[1]).input_ids
+    # The client's own deadline: it gets DEADLINE_EXCEEDED and the work stops.
+    with grpc.insecure_channel(chaos.procs["gateway"].address) as channel:
+        gateway = generation_pb2_grpc.GenerationStub(channel)
+        req = request(prompt_ids=ids, max_tokens=1000)
+        req.request_id = "chaos-client-deadline"
+        with pytest.raises(grpc.RpcError) as err:
+            list(gateway.Generate(req, timeout=1.0))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_ended(store, "chaos-client-deadline").status in ("cancelled", "expired")
+    wait_until_gone(verifier_stubs(chaos), "chaos-client-deadline", timeout=1)
+    # The deadline travels with the request: the verifier ends it by itself when it passes,
+    # and whoever re-attaches is told DEADLINE_EXCEEDED.
+    with grpc.insecure_channel(chaos.procs["scheduler"].address) as channel:
+        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        scheduler.Submit(
+            scheduler_pb2.SubmitRequest(
+                request_id="chaos-deadline",
+                prompt_ids=ids,
+                max_tokens=1000,
+                priority=common_pb2.PRIORITY_CLASS_INTERACTIVE,
+                deadline_unix_ms=int(time.time() * 1000) + 1500,
+            ),
+            timeout=10,
+        )
+    rec = wait_ended(store, "chaos-deadline")
+    assert rec.status == "expired" and 0 < rec.generated < 1000
+    wait_until_gone(verifier_stubs(chaos), "chaos-deadline", timeout=1)
+    with grpc.insecure_channel(chaos.procs["gateway"].address) as channel:
+        gateway = generation_pb2_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(
+                gateway.Generate(
+                    generation_pb2.GenerateRequest(request_id="chaos-deadline", resume_from=0),
+                    timeout=10,
+                )
+            )
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -1,0 +1,111 @@
+"""The request store against a real private redis-server: step writes are exactly-once by
+index, ownership fences a verifier that lost its request, and an AOF restart loses nothing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from specserve.common.store import RequestStore, queue_key
+from specserve.local_cluster import LocalCluster
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Only the private Redis of a LocalCluster (with AOF), for restarting it."""
+    cluster = LocalCluster({}, tmp_path, redis_aof=True)
+    cluster.start_redis()
+    yield cluster
+    cluster.kill_redis()
+
+
+@pytest.fixture
+def store(cluster):
+    store = RequestStore.from_url(cluster.redis_url)
+    store.ensure_queues()
+    return store
+
+
+def running(store: RequestStore, rid: str, vid: str = "v1") -> None:
+    assert store.create(rid, {"prompt_ids": [1, 2], "max_tokens": 50}, "interactive", 10)[0] == 0
+    assert store.claim(rid, vid, 0)
+
+
+def test_a_step_write_lands_once_whatever_is_retried(store):
+    running(store, "r")
+    assert store.commit_step("v1", [("r", 0, [10, 11])]) == [(0, 2)]
+    assert store.commit_step("v1", [("r", 0, [10, 11])]) == [(0, 2)]  # a retry: no-op
+    # A retry of a write that went through, carrying the next step's tokens as well.
+    assert store.commit_step("v1", [("r", 0, [10, 11, 12, 13])]) == [(0, 4)]
+    assert store.progress("r") == [10, 11, 12, 13]
+    # Ahead of what Redis holds (it lost writes): nothing lands; resend from `generated`.
+    assert store.commit_step("v1", [("r", 6, [16])]) == [(0, 4)]
+    assert store.commit_step("v1", [("r", 4, [14, 15, 16])]) == [(0, 7)]
+    firsts = [int(f["first"]) for _, f in store.r.xrange("specserve:out:r")]
+    assert firsts == [0, 2, 4]
+    assert store.progress("r") == [10, 11, 12, 13, 14, 15, 16]
+
+
+def test_a_requeued_request_is_fenced_from_its_old_verifier(store):
+    running(store, "r")
+    store.commit_step("v1", [("r", 0, [7, 8, 9])])
+    assert store.owned("v1") == ["r"] and store.owners() == ["v1"]
+    entry = store.get("r").entry_id
+    assert store.requeue("r", "v1") == ("interactive", store.get("r").entry_id)
+    assert store.requeue("r", "v1") is None  # once
+    rec = store.get("r")
+    assert (rec.status, rec.owner, rec.requeues, rec.generated) == ("queued", "", 1, 3)
+    assert rec.entry_id != entry and store.waiting_count("interactive") == 1
+    assert store.r.xrange(queue_key("interactive"), entry, entry) == []
+    assert store.owned("v1") == []
+    # The old verifier comes back to life: every write of it is refused.
+    assert store.commit_step("v1", [("r", 3, [1])]) == [(-1, 0)]
+    assert not store.finish("r", "v1", "finished", final(3), "interactive")
+    # The next verifier goes on from the progress.
+    assert store.claim("r", "v2", 0)
+    assert store.progress("r") == [7, 8, 9]
+    assert store.commit_step("v2", [("r", 3, [10])]) == [(0, 4)]
+    assert store.finish("r", "v2", "finished", final(4), "interactive")
+    assert store.get("r").status == "finished" and store.owned("v2") == []
+    assert store.r.xpending(queue_key("interactive"), "placement")["pending"] == 0
+
+
+def final(tokens: int) -> dict:
+    return {"finish_reason": "FINISH_REASON_LENGTH", "usage": {"completion_tokens": tokens}}
+
+
+def test_entries_a_dead_consumer_read_are_reclaimed(store):
+    running(store, "r")  # claimed by a verifier, never read by this consumer
+    store.create("q", {"prompt_ids": [1], "max_tokens": 5}, "interactive", 10)
+    assert [rid for _, rid in store.read_queue("interactive", "dead-scheduler", 10)] == ["r", "q"]
+    assert store.reclaim("interactive", "live-scheduler", min_idle_ms=60_000) == []
+    time.sleep(0.05)
+    reclaimed = store.reclaim("interactive", "live-scheduler", min_idle_ms=10)
+    assert [rid for _, rid in reclaimed] == ["r", "q"]
+    assert store.pending_entries("interactive", "dead-scheduler") == []
+
+
+def test_an_aof_restart_of_redis_loses_no_written_step(cluster, store):
+    running(store, "r")
+    for i in range(5):
+        store.commit_step("v1", [("r", i, [i])])
+    cluster.kill_redis()
+    assert not store.ping()
+    time.sleep(0.5)  # Redis is away for a moment
+    cluster.start_redis()
+    # The client reconnects by itself; the scripts are loaded again.
+    for i in range(5, 10):
+        assert store.commit_step("v1", [("r", i, [i])]) == [(0, i + 1)]
+    assert store.progress("r") == list(range(10))
+    assert store.ping()
+
+
+def test_a_store_call_fails_cleanly_when_redis_stays_away(cluster):
+    store = RequestStore.from_url(cluster.redis_url)
+    cluster.kill_redis()
+    started = time.monotonic()
+    with pytest.raises(redis.ConnectionError):
+        store.get("r")
+    assert time.monotonic() - started < 15  # retried with backoff, then given up
