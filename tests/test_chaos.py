@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import cluster_config
 from helpers import request
@@ -145,6 +146,25 @@ def restart(cluster: LocalCluster, key: str, port: int = 0) -> None:
     cluster.wait_ready(key, 120)
 
 
+def wait_health(cluster: LocalCluster, status, timeout: float = 10) -> None:
+    """Waits until every service that needs Redis reports `status` on grpc.health.v1."""
+    keys = [k for k in cluster.procs if not k.startswith("drafter")]
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = {}
+        for key in keys:
+            with grpc.insecure_channel(cluster.procs[key].address) as channel:
+                seen[key] = (
+                    health_pb2_grpc.HealthStub(channel)
+                    .Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    .status
+                )
+        if all(v == status for v in seen.values()):
+            return
+        assert time.monotonic() < deadline, f"health after {timeout}s: {seen}"
+        time.sleep(0.1)
+
+
 def busiest_verifier(cluster: LocalCluster, store: RequestStore) -> str:
     keys = [k for k in cluster.procs if k.startswith("verifier")]
     return max(keys, key=lambda k: len(store.owned(cluster.procs[k].address)))
@@ -164,7 +184,7 @@ def kill_and_restart(kind: str):
             return lambda: restart(cluster, "drafter")
         if kind == "redis":
             cluster.kill_redis()
-            time.sleep(1.0)
+            wait_health(cluster, health_pb2.HealthCheckResponse.NOT_SERVING)
             cluster.start_redis()
             return None
         port = cluster.procs[kind].port  # scheduler, gateway: back on the same port
@@ -250,6 +270,8 @@ def test_killing_one_part_loses_nothing(chaos, store, expected, tokenizer, kind)
     assert_nothing_lost(row)
     if kind == "gateway":
         assert row["resumed"] > 0  # the clients whose stream broke re-attached
+    if kind == "redis":  # NOT_SERVING while it was away (waited for), SERVING again after
+        wait_health(chaos, health_pb2.HealthCheckResponse.SERVING)
     assert all(not store.owned(v) for v in store.owners())
 
 
@@ -261,7 +283,7 @@ def test_sigterm_drains_a_verifier_with_no_failed_request(chaos, store, expected
         codes.append(cluster.kill(key, signal.SIGTERM))  # waits for the exit
         return lambda: restart(cluster, key)
 
-    row = run_workload(chaos, store, expected, tokenizer, "verifier SIGTERM", act)
+    row = run_workload(chaos, store, expected, tokenizer, "verifier-sigterm", act)
     assert codes == [0]
     assert_nothing_lost(row)
 

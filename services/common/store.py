@@ -253,6 +253,15 @@ class RequestStore:
         probe = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
         return cls(client, probe)
 
+    def wait_reachable(self, period_cap: float = 5.0) -> None:
+        """Blocks until Redis answers, logging each miss: a service that starts before
+        Redis waits for it (not serving meanwhile) instead of failing."""
+        delay = 0.2
+        while not self.ping():
+            log.warning("redis unreachable; waiting", extra={"retry_in_s": delay})
+            time.sleep(delay)
+            delay = min(period_cap, delay * 2)
+
     def ping(self) -> bool:
         """True if Redis answers now."""
         try:

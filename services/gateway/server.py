@@ -376,7 +376,7 @@ def build(settings: GatewaySettings):
     path, manifest = models.resolve(settings.model, settings.model_cache_dir)
     tokenizer = models.load_tokenizer(path)
     store = RequestStore.from_url(settings.redis_url)
-    store.r.ping()
+    store.wait_reachable()
     name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
     scheduler = scheduler_pb2_grpc.SchedulerStub(retrying_channel(settings.scheduler_address, name))
     service = GenerationService(settings, tokenizer, store, scheduler, manifest)

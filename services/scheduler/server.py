@@ -336,6 +336,7 @@ class Placer:
 
 def build(settings: SchedulerSettings):
     store = RequestStore.from_url(settings.redis_url)
+    store.wait_reachable()
     store.ensure_queues()
     clients = VerifierClients()
     server = Server(

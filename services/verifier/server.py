@@ -177,6 +177,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     store = RequestStore.from_url(settings.redis_url)
+    store.wait_reachable()
     store.ensure_queues()
     server = Server(
         settings.host, settings.port, [pb.DESCRIPTOR.services_by_name["Verifier"].full_name]
