@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import cluster_config
@@ -238,6 +239,7 @@ def report(name, clients, in_flight, killed_at, store, expected, tokenizer) -> d
         "requests": len(clients),
         "completed": sum(c.final is not None for c in clients),
         "resumed": sum(c.reattached > 0 for c in clients),
+        "requeued": sum(store.get(c.rid).requeues for c in clients),
         "tokens lost": lost,
         "duplicates": duplicates,
         "wrong outputs": wrong,
@@ -268,6 +270,8 @@ def assert_nothing_lost(row: dict) -> None:
 def test_killing_one_part_loses_nothing(chaos, store, expected, tokenizer, kind):
     row = run_workload(chaos, store, expected, tokenizer, kind, kill_and_restart(kind))
     assert_nothing_lost(row)
+    if kind == "verifier":
+        assert row["requeued"] > 0  # taken over by the other verifier
     if kind == "gateway":
         assert row["resumed"] > 0  # the clients whose stream broke re-attached
     if kind == "redis":  # NOT_SERVING while it was away (waited for), SERVING again after
@@ -285,6 +289,7 @@ def test_sigterm_drains_a_verifier_with_no_failed_request(chaos, store, expected
 
     row = run_workload(chaos, store, expected, tokenizer, "verifier-sigterm", act)
     assert codes == [0]
+    assert row["requeued"] > 0  # what did not finish within the grace period was handed back
     assert_nothing_lost(row)
 
 
@@ -374,3 +379,25 @@ def test_a_passed_deadline_stops_the_work_and_reports_deadline_exceeded(chaos, s
                 )
             )
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_service_started_before_redis_waits_for_it(tmp_path):
+    cluster = LocalCluster(cluster_config(None), tmp_path)
+    cluster.redis_port = free_port()
+    cluster.config["common"]["redis_url"] = f"redis://127.0.0.1:{cluster.redis_port}/0"
+    cluster.config_path.write_text(yaml.safe_dump(cluster.config))
+    later = threading.Timer(2.0, cluster.start_redis)
+    later.start()
+    try:
+        scheduler = cluster.start_service("scheduler")  # returns once it serves
+        assert "redis unreachable; waiting" in scheduler.log_text()
+        with grpc.insecure_channel(scheduler.address) as channel:
+            status = (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(), timeout=5)
+                .status
+            )
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        later.join()
+        cluster.stop()

@@ -242,8 +242,8 @@ class Engine:
                 self._drop(seq, "lost: the request was requeued elsewhere")
                 continue
             seq.cancelled |= state == 1
-            if self._finished(seq):
-                self._retire(seq)
+            if self._finished(seq) and seq.num_emitted == len(seq.output_ids):
+                self._retire(seq)  # (with tokens still unwritten, after the next write)
 
     def _flush(self, seqs: list[Sequence]) -> list[int]:
         """Writes each sequence's unwritten tokens; per sequence the state commit_step
