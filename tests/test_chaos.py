@@ -229,11 +229,7 @@ def report(name, clients, in_flight, killed_at, store, expected, tokenizer) -> d
         lost += len(missing)
         prompt = tokenizer.decode(c.prompt_ids)
         wrong += c.ids() != expected[prompt]
-    after = [
-        min((at for at, _, _ in c.arrivals if at > killed_at), default=killed_at)
-        for c in in_flight
-        if c.final is not None
-    ]
+    pauses = [longest_pause(c, killed_at) for c in in_flight]
     row = {
         "scenario": name,
         "requests": len(clients),
@@ -243,7 +239,7 @@ def report(name, clients, in_flight, killed_at, store, expected, tokenizer) -> d
         "tokens lost": lost,
         "duplicates": duplicates,
         "wrong outputs": wrong,
-        "recovery s": round(max(after, default=killed_at) - killed_at, 2),
+        "recovery s": round(max(pauses, default=0.0), 2),
         "errors": [c.error for c in clients if c.error],
         "pending": sum(
             int(store.r.xpending(queue_key(q), GROUP)["pending"]) for q in QUEUE_CLASSES
@@ -255,6 +251,12 @@ def report(name, clients, in_flight, killed_at, store, expected, tokenizer) -> d
         + (f" | errors: {row['errors']}" if row["errors"] else "")
     )
     return row
+
+
+def longest_pause(client: Client, killed_at: float) -> float:
+    """The longest wait for a token the client had after the kill (or across it)."""
+    times = sorted([killed_at] + [at for at, _, _ in client.arrivals])
+    return max((b - a for a, b in zip(times, times[1:], strict=False) if b > killed_at), default=0)
 
 
 def assert_nothing_lost(row: dict) -> None:

@@ -53,8 +53,10 @@ def test_a_requeued_request_is_fenced_from_its_old_verifier(store):
     store.commit_step("v1", [("r", 0, [7, 8, 9])])
     assert store.owned("v1") == ["r"] and store.owners() == ["v1"]
     entry = store.get("r").entry_id
-    assert store.requeue("r", "v1") == ("interactive", store.get("r").entry_id)
-    assert store.requeue("r", "v1") is None  # once
+    assert store.requeue("r", "v1")
+    assert not store.requeue("r", "v1")  # once
+    assert store.take_requeued("interactive") == [(store.get("r").entry_id, "r")]
+    assert store.take_requeued("interactive") == []
     rec = store.get("r")
     assert (rec.status, rec.owner, rec.requeues, rec.generated) == ("queued", "", 1, 3)
     assert rec.entry_id != entry and store.waiting_count("interactive") == 1

@@ -10,6 +10,8 @@ Keys (prefix `specserve:`):
                          acked and deleted when the request ends or is requeued
   owned:{vid}     set    ids of the requests running on verifier vid
   owners          set    verifier ids that may own running requests (the reaper's list)
+  requeued:{class} list  "entry_id rid" of requests put back in the queue, for the scheduler
+                         to place ahead of their class
   queued:{class}  int    requests of the class with status queued (the queue length limit)
   verifier:{id}   hash   address, model, capacity, running, batch_capacity, batch_running,
                          kv_budget, kv_reserved, kv_cached, max_seq_len (expires without heartbeats)
@@ -87,6 +89,7 @@ def owned_key(vid: str) -> str:
 
 
 OWNERS_KEY = f"{PREFIX}owners"
+REQUEUED = f"{PREFIX}requeued:"
 
 
 def now_ms() -> int:
@@ -160,13 +163,13 @@ return 1
 """
 
 # Puts a running request owned by ARGV[1] back in its queue (a new entry; the old one is acked
-# and deleted), keeping its progress. KEYS[2] is the owner's set. Returns {queue, entry id},
-# or {} if it is not running there (ended, or already requeued).
+# and deleted; the new one also listed in requeued:{class}), keeping its progress. KEYS[2] is
+# the owner's set. Returns 1, or 0 if it is not running there (ended, or already requeued).
 _REQUEUE = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running'
    or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
   redis.call('SREM', KEYS[2], ARGV[5])
-  return {}
+  return 0
 end
 local q = redis.call('HGET', KEYS[1], 'queue')
 local e = redis.call('HGET', KEYS[1], 'entry_id')
@@ -177,7 +180,8 @@ redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'entry_id', id)
 redis.call('HINCRBY', KEYS[1], 'requeues', 1)
 redis.call('INCR', ARGV[4] .. q)
 redis.call('SREM', KEYS[2], ARGV[5])
-return {q, id}
+redis.call('RPUSH', ARGV[6] .. q, id .. ' ' .. ARGV[5])
+return 1
 """
 
 # Ends a queued request now with status ARGV[5] (cancelled, expired); with ARGV[6] == '1' a
@@ -390,14 +394,21 @@ class RequestStore:
                 ids.extend(chunk)
         return ids
 
-    def requeue(self, rid: str, vid: str) -> tuple[str, str] | None:
-        """Hands a request running on `vid` back to its queue with its progress; returns
-        (queue class, new entry id), or None if it was not running there."""
-        done = self._requeue(
-            keys=[req_key(rid), owned_key(vid)],
-            args=[vid, f"{PREFIX}queue:", GROUP, f"{PREFIX}queued:", rid],
+    def requeue(self, rid: str, vid: str) -> bool:
+        """Hands a request running on `vid` back to its queue with its progress; False if
+        it was not running there."""
+        return bool(
+            self._requeue(
+                keys=[req_key(rid), owned_key(vid)],
+                args=[vid, f"{PREFIX}queue:", GROUP, f"{PREFIX}queued:", rid, REQUEUED],
+            )
         )
-        return (done[0], done[1]) if done else None
+
+    def take_requeued(self, cls: str, count: int = 100) -> list[tuple[str, str]]:
+        """Queue entries (entry_id, rid) of the class's requeued requests, oldest first,
+        removed from the list."""
+        items = self.r.lpop(f"{REQUEUED}{cls}", count) or []
+        return [tuple(item.split(" ", 1)) for item in items]
 
     def owned(self, vid: str) -> list[str]:
         """Requests running on verifier `vid` (as Redis knows it)."""

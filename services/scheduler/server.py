@@ -173,6 +173,7 @@ class Placer:
                 if now >= self._next_expiry:
                     self.expire_waiting()
                     self.requeue_orphans()
+                    self.take_requeued()
                     self._next_expiry = now + EXPIRY_PERIOD_SECONDS
                 placed = self.place_some()
             except Exception:
@@ -194,13 +195,19 @@ class Placer:
             if gone < self.settings.dead_verifier_grace_seconds:
                 continue
             for rid in self.store.owned(vid):
-                if requeued := self.store.requeue(rid, vid):
-                    cls, entry = requeued
-                    self.waiting[cls].appendleft((entry, rid))  # it waited once already
+                if self.store.requeue(rid, vid):
                     metrics.REQUEUED.inc()
                     log.warning("requeued", extra={"request_id": rid, "verifier": vid})
             self.store.forget_owner(vid)
             self.missing.pop(vid, None)
+
+    def take_requeued(self) -> None:
+        """Requests put back in their queue (by this loop, or by a draining verifier) are
+        placed ahead of their class: they waited their turn once already."""
+        for cls in QUEUE_CLASSES:
+            entries = self.store.take_requeued(cls)
+            known = {eid for eid, _ in self.waiting[cls]}
+            self.waiting[cls].extendleft(reversed([e for e in entries if e[0] not in known]))
 
     def reclaim(self) -> None:
         """Takes over the entries other placement consumers read and left idle (a scheduler

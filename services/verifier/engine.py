@@ -123,7 +123,7 @@ class Engine:
         for seq in list(self.running.values()):
             try:
                 self._flush([seq])
-                handed += self.store.requeue(seq.request_id, self.verifier_id) is not None
+                handed += self.store.requeue(seq.request_id, self.verifier_id)
             except Exception:  # the reaper requeues it once this verifier is gone
                 log.exception("hand back failed", extra={"request_id": seq.request_id})
             self._drop(seq, "handed back")
