@@ -159,9 +159,16 @@ class Placer:
         for cls in QUEUE_CLASSES:
             self._add_waiting(cls, self.store.pending_entries(cls, self.consumer))
 
-    def _add_waiting(self, cls: str, entries: list[tuple[str, str]]) -> None:
+    def _add_waiting(self, cls: str, entries: list[tuple[str, str]], first: bool = False) -> int:
+        """Adds queue entries not waiting yet, at the back (or `first`, in their order);
+        returns how many."""
         known = {eid for eid, _ in self.waiting[cls]}
-        self.waiting[cls].extend(e for e in entries if e[0] not in known)
+        new = [e for e in entries if e[0] not in known]
+        if first:
+            self.waiting[cls].extendleft(reversed(new))
+        else:
+            self.waiting[cls].extend(new)
+        return len(new)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -205,9 +212,7 @@ class Placer:
         """Requests put back in their queue (by this loop, or by a draining verifier) are
         placed ahead of their class: they waited their turn once already."""
         for cls in QUEUE_CLASSES:
-            entries = self.store.take_requeued(cls)
-            known = {eid for eid, _ in self.waiting[cls]}
-            self.waiting[cls].extendleft(reversed([e for e in entries if e[0] not in known]))
+            self._add_waiting(cls, self.store.take_requeued(cls), first=True)
 
     def reclaim(self) -> None:
         """Takes over the entries other placement consumers read and left idle (a scheduler
@@ -215,13 +220,10 @@ class Placer:
         idle_ms = int(self.settings.reclaim_idle_seconds * 1000)
         for cls in QUEUE_CLASSES:
             entries = self.store.reclaim(cls, self.consumer, idle_ms)
-            known = {eid for eid, _ in self.waiting[cls]}
-            fresh = [e for e in entries if e[0] not in known]
-            queued = [e for e in fresh if (rec := self.store.get(e[1])) and rec.status == "queued"]
-            if queued:
-                metrics.RECLAIMED.inc(len(queued))
-                log.info("reclaimed", extra={"class": cls, "entries": len(queued)})
-            self._add_waiting(cls, queued)
+            queued = [e for e in entries if getattr(self.store.get(e[1]), "status", "") == "queued"]
+            if added := self._add_waiting(cls, queued):
+                metrics.RECLAIMED.inc(added)
+                log.info("reclaimed", extra={"class": cls, "entries": added})
 
     def place_some(self) -> bool:
         """Places waiting requests until none fits; True if any was placed."""
