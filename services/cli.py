@@ -54,6 +54,53 @@ def _generate(args: argparse.Namespace) -> int:
     return generate_to_terminal(args)
 
 
+def _keys(args: argparse.Namespace) -> int:
+    import redis
+
+    from .common.settings import GatewaySettings
+    from .gateway.keys import KeyStore
+
+    settings = GatewaySettings.load(args.config)
+    keys = KeyStore(
+        redis.Redis.from_url(args.redis_url or settings.redis_url, decode_responses=True)
+    )
+    if args.keys_cmd == "create":
+        if args.tier not in settings.tiers:
+            print(f"error: unknown tier {args.tier!r} (known: {sorted(settings.tiers)})")
+            return 2
+        limits = settings.tiers[args.tier].model_copy(
+            update={
+                k: v
+                for k, v in {
+                    "requests_per_minute": args.rpm,
+                    "tokens_per_minute": args.tpm,
+                    "concurrent_streams": args.streams,
+                }.items()
+                if v is not None
+            }
+        )
+        key = keys.create(args.tenant, args.tier, limits)
+        print(key)
+        print(
+            f"(tenant {args.tenant}, tier {args.tier}; shown once: only its hash is kept)",
+            file=sys.stderr,
+        )
+    elif args.keys_cmd == "list":
+        print(f"{'ID':14} {'TENANT':20} {'TIER':10} {'RPM':>6} {'TPM':>9} {'STREAMS':>7}  STATE")
+        for k in keys.list():
+            state = "revoked" if k.get("revoked") == "1" else "active"
+            print(
+                f"{k['id']:14} {k['tenant']:20} {k['tier']:10} {k['requests_per_minute']:>6} "
+                f"{k['tokens_per_minute']:>9} {k['concurrent_streams']:>7}  {state}"
+            )
+    elif not keys.revoke(args.key_id):
+        print(f"error: no key with id {args.key_id!r} (see `specserve keys list`)")
+        return 1
+    else:
+        print(f"revoked {args.key_id}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specserve",
@@ -91,7 +138,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     g.add_argument("--batch", action="store_true", help="use the batch priority class")
     g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECSERVE_API_KEY"),
+        help="API key (default: env SPECSERVE_API_KEY; `specserve up` prints a dev key)",
+    )
     g.set_defaults(func=_generate)
+
+    k = sub.add_parser("keys", help="create, list and revoke API keys (stored hashed in Redis)")
+    k.add_argument("--redis-url", help="Redis holding the keys (default from config)")
+    ksub = k.add_subparsers(dest="keys_cmd", required=True)
+    kc = ksub.add_parser("create", help="create a key for a tenant; prints it once")
+    kc.add_argument("--tenant", required=True, help="tenant name (a-z, 0-9, -)")
+    kc.add_argument("--tier", default="standard", help="tier from the gateway config's `tiers`")
+    kc.add_argument("--rpm", type=int, help="requests per minute (default: the tier's)")
+    kc.add_argument("--tpm", type=int, help="tokens per minute (default: the tier's)")
+    kc.add_argument("--streams", type=int, help="concurrent streams (default: the tier's)")
+    ksub.add_parser("list", help="list keys (ids, tenants, limits; never the keys)")
+    kr = ksub.add_parser("revoke", help="revoke a key by its id")
+    kr.add_argument("key_id", help="the id: the part after ssk_ in the key")
+    k.set_defaults(func=_keys)
 
     m = sub.add_parser("models", help="fetch and list models")
     m.add_argument("--cache-dir", help="model cache directory (default from config)")

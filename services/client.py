@@ -35,7 +35,10 @@ def generate_to_terminal(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            for chunk in stub.Generate(build_request(args), timeout=args.timeout):
+            metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+            for chunk in stub.Generate(
+                build_request(args), timeout=args.timeout, metadata=metadata
+            ):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.HasField("final"):

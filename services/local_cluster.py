@@ -204,6 +204,20 @@ class LocalCluster:
             self.redis.wait(timeout=10)
 
 
+def dev_key(cluster: LocalCluster) -> str | None:
+    """A new key of tenant `dev` for the local cluster, unless its gateway runs without auth."""
+    import redis
+
+    from .common.settings import GatewaySettings
+    from .gateway.keys import KeyStore
+
+    settings = GatewaySettings.load(cluster.config_path)
+    if settings.auth == "off":
+        return None
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    return KeyStore(client).create("dev", "standard", settings.tiers["standard"])
+
+
 def run_local_cluster(config_path: str | None, redis_url: str | None, port: int) -> int:
     """`specserve up`: start everything, print how to use it, stop it all on Ctrl-C."""
     config = yaml.safe_load(Path(config_path).read_text()) if config_path else {}
@@ -222,12 +236,18 @@ def run_local_cluster(config_path: str | None, redis_url: str | None, port: int)
     try:
         cluster.start(gateway_port=port)
         gateway = cluster.procs["gateway"].address
+        key, header = dev_key(cluster), ""
+        if key:
+            header = f"-H 'authorization: Bearer {key}' "
+            print(f"\ndev API key (tenant dev): {key}", flush=True)
         print(
             f"\nready in {time.monotonic() - started:.1f}s. gateway: {gateway}  "
             f"redis: {cluster.redis_url}\n"
-            f'try:  specserve generate --address {gateway} "Write a Python function that '
+            + (f"try:  SPECSERVE_API_KEY={key} " if key else "try:  ")
+            + f'specserve generate --address {gateway} "Write a Python function that '
             'reverses a string."\n'
-            f'  or: grpcurl -plaintext -d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\' '
+            f"  or: grpcurl -plaintext {header}"
+            f'-d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\' '
             f"{gateway} specserve.v1.Generation/Generate\n"
             "Ctrl-C stops everything.",
             flush=True,

@@ -90,7 +90,8 @@ def cluster_config(model_dir: Path | None, **sections) -> dict:
     model = {"path": str(model_dir)} if model_dir else {}
     config = {
         "common": {"log_level": "INFO", "heartbeat_seconds": 0.5, "drain_seconds": 1},
-        "gateway": {"model": model, "max_seq_len": 2048, "max_tokens_limit": 1024},
+        # API keys are tested in test_security.py; elsewhere one anonymous tenant.
+        "gateway": {"model": model, "max_seq_len": 2048, "max_tokens_limit": 1024, "auth": "off"},
         "scheduler": {},
         "verifier": {
             "model": model,

@@ -49,9 +49,17 @@ class Server:
     each of them and "" (the whole server). Readiness is set with `set_serving`.
     """
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str], max_workers: int = 32):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: Iterable[str],
+        max_workers: int = 32,
+        max_concurrent_rpcs: int | None = None,
+    ):
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

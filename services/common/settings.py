@@ -88,6 +88,39 @@ class ServiceSettings(BaseSettings):
             raise ConfigError(f"invalid configuration in {where}: {problems}") from None
 
 
+class Tier(BaseModel):
+    """What an API key of a tier may do; a key copies its tier's limits when it is created."""
+
+    model_config = {"extra": "forbid"}
+
+    requests_per_minute: int = Field(default=60, ge=1)
+    tokens_per_minute: int = Field(
+        default=100_000, ge=1, description="Prompt + generated tokens per minute."
+    )
+    concurrent_streams: int = Field(default=8, ge=1, description="Open Generate streams.")
+    max_tokens: int = Field(default=2048, ge=1, description="Largest max_tokens it may ask.")
+    batch: bool = Field(default=False, description="May use the batch priority class.")
+
+
+DEFAULT_TIERS = {
+    "free": Tier(
+        requests_per_minute=20,
+        tokens_per_minute=20_000,
+        concurrent_streams=2,
+        max_tokens=512,
+        batch=False,
+    ),
+    "standard": Tier(),
+    "batch": Tier(
+        requests_per_minute=600,
+        tokens_per_minute=1_000_000,
+        concurrent_streams=64,
+        max_tokens=2048,
+        batch=True,
+    ),
+}
+
+
 class GatewaySettings(ServiceSettings):
     section: ClassVar[str] = "gateway"
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_GATEWAY_", extra="forbid")
@@ -102,6 +135,26 @@ class GatewaySettings(ServiceSettings):
     max_workers: int = Field(default=64, gt=0, description="Concurrent RPCs served.")
     result_cache_ttl_seconds: float = Field(
         default=600.0, gt=0, description="How long an opted-in deterministic result is reused."
+    )
+    auth: Literal["api_key", "off"] = Field(
+        default="api_key",
+        description="api_key: every call needs `authorization: Bearer <key>`; off: local "
+        "development only (one anonymous tenant, no quotas).",
+    )
+    api_keys_file: str | None = Field(
+        default=None,
+        description="YAML list of {key, tenant, tier} seeded into Redis at start (e.g. a "
+        "mounted Secret); the keys are stored hashed.",
+    )
+    tiers: dict[str, Tier] = Field(default=DEFAULT_TIERS, description="Limits per key tier.")
+    max_concurrent_rpcs: int = Field(
+        default=64,
+        gt=0,
+        description="RPCs in flight beyond this get RESOURCE_EXHAUSTED at once (each open "
+        "stream holds one of max_workers threads: keep this at or below it).",
+    )
+    audit_max_entries: int = Field(
+        default=100_000, gt=0, description="Length the Redis audit stream is trimmed to."
     )
 
 

@@ -17,6 +17,8 @@ from ..common.grpc_server import Server, retrying_channel
 from ..common.settings import GatewaySettings
 from ..common.store import RequestStore
 from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from .audit import Audit, Call
+from .keys import ANONYMOUS, AuthError, KeyStore, Principal, QuotaExceeded, stream_id
 from .text import IncrementalDetokenizer, StopTrimmer
 from .validation import (
     InvalidRequest,
@@ -82,25 +84,35 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             max_stop_length=settings.max_stop_length,
         )
         self._largest: tuple[float, tuple[int, int] | None] = (0.0, None)
+        self.keys = KeyStore(store.r)
+        self.audit = Audit(store.r, settings.audit_max_entries)
 
     # --- Generate ---------------------------------------------------------------------------
     def Generate(self, request, context):
+        call = Call(peer=context.peer())
+        context.add_callback(lambda: self._ended(call, context))
         if isinstance(request, _BadBytes):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{request.field}: is not valid UTF-8 (or the message is malformed)",
             )
+        call.who = self._authenticate(context)
         if request.HasField("resume_from"):
-            yield from self._resume(request, context)
+            yield from self._resume(request, context, call)
             return
         try:
-            submit = self._to_submit(request, context)
+            submit = self._to_submit(request, context, call.who)
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = submit.request_id
+        self._authorize(call.who, submit, context)
+        call.public_id = submit.request_id
+        call.rid = submit.request_id = call.who.scoped(submit.request_id)
+        call.prompt_tokens, call.max_tokens = len(submit.prompt_ids), submit.max_tokens
+        call.priority = common_pb2.PriorityClass.Name(submit.priority)
+        self._open_stream(call, context, new_request=True)
         cache_key = result_cache_key(submit, self.model_id) if request.use_result_cache else None
         if cache_key and (hit := self._cached_result(cache_key)):
-            yield from self._replay(rid, *hit, list(submit.stop))
+            yield from self._replay(call, *hit, list(submit.stop))
             return
         try:
             # Waits out a restarting scheduler (within the deadline); Submit is idempotent.
@@ -113,11 +125,76 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable; retry shortly"
             )
         ids = []
-        for chunk in self._stream_until_done(rid, list(submit.stop), context):
+        for chunk in self._stream(call, list(submit.stop), context):
             ids.extend(chunk.token_ids)
             if cache_key and chunk.HasField("final"):
                 self._cache_result(cache_key, ids, chunk.final)
             yield chunk
+
+    # --- who is calling, and what they may do -------------------------------------------------
+    def _authenticate(self, context) -> Principal:
+        """The caller from its `authorization: Bearer <key>`; UNAUTHENTICATED without one."""
+        if self.settings.auth == "off":
+            return ANONYMOUS
+        header = dict(context.invocation_metadata()).get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "an API key is required: metadata `authorization: Bearer <key>`",
+            )
+        try:
+            return self.keys.authenticate(key.strip())
+        except AuthError as e:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        except redis.RedisError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "keys are unavailable; retry shortly")
+
+    @staticmethod
+    def _authorize(who: Principal, submit, context) -> None:
+        """PERMISSION_DENIED for what the key's tier does not allow."""
+        limits = who.limits
+        if limits is None:
+            return
+        if submit.priority == common_pb2.PRIORITY_CLASS_BATCH and not limits.batch:
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"priority: this key's tier ({who.tier}) may not use the batch class",
+            )
+        if submit.max_tokens > limits.max_tokens:
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"max_tokens: {submit.max_tokens} is above this key's cap of {limits.max_tokens}",
+            )
+
+    def _open_stream(self, call: Call, context, new_request: bool) -> None:
+        """Takes a stream slot (and, for a new request, its share of the rate limits)."""
+        sid = stream_id()
+        try:
+            self.keys.admit(
+                call.who, sid, call.prompt_tokens + call.max_tokens, new_request=new_request
+            )
+        except QuotaExceeded as e:
+            context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except redis.RedisError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "quotas are unavailable; retry shortly")
+        call.stream = sid
+
+    def _ended(self, call: Call, context) -> None:
+        """When the RPC ends, however: the stream slot and unused tokens go back, a request
+        whose client left before the end is cancelled, and the call is audited."""
+        if call.stream:
+            unused = 0 if call.resumed else call.max_tokens - call.emitted
+            try:
+                self.keys.release(call.who, call.stream, unused)
+            except redis.RedisError:
+                log.warning("quota release failed; the slot ages out")
+        if call.streaming and not call.finish:
+            self._cancel_quietly(call.rid)
+        code = context.code() if hasattr(context, "code") else None
+        status = call.finish or (code.name if code else "CANCELLED")
+        self.audit.write(call.record(status))
 
     # --- result cache -----------------------------------------------------------------------
     def _cached_result(self, key: str):
@@ -134,8 +211,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except redis.RedisError:
             log.warning("result cache unavailable")
 
-    def _replay(self, rid: str, ids: list[int], final: dict, stop: list[str]):
+    def _replay(self, call: Call, ids: list[int], final: dict, stop: list[str]):
         """A cached result as a stream: all its tokens, then the final chunk."""
+        rid = call.public_id
         detok = IncrementalDetokenizer(
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         )
@@ -146,6 +224,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         info = json_format.ParseDict(final, generation_pb2.FinalInfo(), ignore_unknown_fields=True)
         info.timings.Clear()  # nothing ran
         info.cached = True
+        call.emitted, call.finish = len(ids), common_pb2.FinishReason.Name(info.finish_reason)
         yield generation_pb2.GenerateResponse(
             request_id=rid,
             text=trimmer.push(detok.flush()) + trimmer.flush(),
@@ -168,36 +247,35 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._largest = (time.monotonic(), largest)
         return largest
 
-    def _resume(self, request, context):
+    def _resume(self, request, context, call: Call):
         """Re-attach: the rest of an existing request's stream, from index resume_from."""
-        rid, start = request.request_id, request.resume_from
-        if not rid:
+        start = request.resume_from
+        if not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: needed with resume_from")
         if start < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resume_from: must be >= 0")
+        call.public_id, call.resumed = request.request_id, True
+        call.rid = call.who.scoped(request.request_id)
+        record = self._record(call.rid, call.public_id, context)
+        call.prompt_tokens = len(record.spec.get("prompt_ids", []))
+        call.priority = record.queue
+        self._open_stream(call, context, new_request=False)
+        yield from self._stream(call, list(record.spec.get("stop", [])), context, start)
+
+    def _record(self, rid: str, public_id: str, context):
+        """The request's record; NOT_FOUND if it does not exist for this caller (another
+        tenant's request is not told apart from none)."""
         try:
             record = self.store.get(rid)
         except redis.RedisError:
             context.abort(grpc.StatusCode.UNAVAILABLE, "request state is unavailable; retry")
         if record is None:
             context.abort(
-                grpc.StatusCode.NOT_FOUND, f"request {rid!r} does not exist (or has expired)"
+                grpc.StatusCode.NOT_FOUND, f"request {public_id!r} does not exist (or has expired)"
             )
-        yield from self._stream_until_done(rid, list(record.spec.get("stop", [])), context, start)
+        return record
 
-    def _stream_until_done(self, rid: str, stop: list[str], context, start: int = 0):
-        """Streams the output; a client that leaves before the end cancels the request."""
-        finished = False
-
-        def on_done() -> None:
-            if not finished:
-                self._cancel_quietly(rid)
-
-        context.add_callback(on_done)
-        yield from self._stream(rid, stop, context, start)
-        finished = True
-
-    def _to_submit(self, req, context) -> scheduler_pb2.SubmitRequest:
+    def _to_submit(self, req, context, who: Principal) -> scheduler_pb2.SubmitRequest:
         validate(req, self.limits)
         which = req.WhichOneof("input")
         if which == "prompt_ids":
@@ -213,7 +291,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if not ids:
             raise InvalidRequest(which, "tokenizes to no tokens")
         check_prompt_length(len(ids), self.limits)
-        max_tokens = req.max_tokens or self.limits.default_max_tokens
+        default = self.limits.default_max_tokens
+        if who.limits is not None:
+            default = min(default, who.limits.max_tokens)
+        max_tokens = req.max_tokens or default
         check_fits(len(ids), max_tokens, self._largest_verifier())
         remaining = context.time_remaining()  # huge (not None) when the client set no deadline
         has_deadline = remaining is not None and remaining < NO_DEADLINE_SECONDS
@@ -231,7 +312,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             session_id=req.session_id,
         )
 
-    def _stream(self, rid: str, stop: list[str], context, start: int = 0):
+    def _stream(self, call: Call, stop: list[str], context, start: int = 0):
         """Chunks of the output stream from token index `start` on; the tokens before it only
         prime the detokenizer and the stop trimmer, so the text continues seamlessly. Each
         index is sent once, whatever the stream holds; a Redis outage pauses the stream."""
@@ -239,8 +320,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         )
         trimmer = StopTrimmer(stop)
+        rid, public_id = call.rid, call.public_id
         last_id = "0-0"
         outage = None
+        call.streaming = True
         while context.is_active():
             try:
                 entries = self.store.tail(rid, last_id, TAIL_BLOCK_MS)
@@ -264,12 +347,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if ids:
                     text = trimmer.push(detok.add(ids))
                     yield generation_pb2.GenerateResponse(
-                        request_id=rid, text=text, token_ids=ids, first_index=first
+                        request_id=public_id, text=text, token_ids=ids, first_index=first
                     )
                     start = first + len(ids)
+                    call.emitted += len(ids)
                 if "final" in fields:
+                    call.finish = json.loads(fields["final"]).get("finish_reason", "")
                     yield self._final_chunk(
-                        rid,
+                        public_id,
                         json.loads(fields["final"]),
                         trimmer.push(detok.flush()) + trimmer.flush(),
                         int(fields["first"]),
@@ -304,11 +389,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # --- Cancel, GetModelInfo -----------------------------------------------------------------
     def Cancel(self, request, context):
+        who = self._authenticate(context)
         if not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        rid = who.scoped(request.request_id)
+        self._record(rid, request.request_id, context)
         try:
             resp = self.scheduler.Cancel(
-                scheduler_pb2.SchedulerCancelRequest(request_id=request.request_id),
+                scheduler_pb2.SchedulerCancelRequest(request_id=rid),
                 timeout=self.settings.timeout_seconds,
             )
         except grpc.RpcError:
@@ -316,6 +404,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.CancelResponse(cancelled=resp.cancelled)
 
     def GetModelInfo(self, request, context):
+        self._authenticate(context)
         ref = self.settings.model
         return generation_pb2.ModelInfo(
             name=self.manifest.get("name", ref.label),
@@ -377,6 +466,11 @@ def build(settings: GatewaySettings):
     tokenizer = models.load_tokenizer(path)
     store = RequestStore.from_url(settings.redis_url)
     store.wait_reachable()
+    if settings.api_keys_file:
+        seeded = KeyStore(store.r).seed(settings.api_keys_file, settings.tiers)
+        log.info("api keys seeded", extra={"keys": seeded})
+    if settings.auth == "off":
+        log.warning("authentication is off: every caller is one anonymous tenant, no quotas")
     name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
     scheduler = scheduler_pb2_grpc.SchedulerStub(retrying_channel(settings.scheduler_address, name))
     service = GenerationService(settings, tokenizer, store, scheduler, manifest)
@@ -385,6 +479,7 @@ def build(settings: GatewaySettings):
         settings.port,
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         max_workers=settings.max_workers,
+        max_concurrent_rpcs=settings.max_concurrent_rpcs,
     )
     server.grpc.add_generic_rpc_handlers((_handler(service),))
     server.start()

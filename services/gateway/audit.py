@@ -1,0 +1,65 @@
+"""The audit trail: one record per Generate call, as a JSON log line (logger
+`specserve.audit`) and in a Redis stream of bounded length (`specserve:audit`). Ids, sizes,
+status and timing only: never prompt or output text."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from ..common.store import PREFIX
+from .keys import ANONYMOUS, Principal
+
+log = logging.getLogger("specserve.audit")
+AUDIT_STREAM = f"{PREFIX}audit"
+
+
+@dataclass
+class Call:
+    """One Generate call as the gateway saw it (what the audit record and the quota release
+    are made of)."""
+
+    peer: str
+    started: float = field(default_factory=time.monotonic)
+    who: Principal = ANONYMOUS
+    public_id: str = ""  # the request id the client knows
+    rid: str = ""  # the request id as stored (scoped to the tenant)
+    stream: str = ""  # the quota stream slot this call holds, if any
+    resumed: bool = False
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    priority: str = ""
+    emitted: int = 0  # tokens sent to the client
+    streaming: bool = False  # the request is accepted and its output is being streamed
+    finish: str = ""  # the finish reason, once the final chunk went out
+
+    def record(self, status: str) -> dict:
+        return {
+            "tenant": self.who.tenant,
+            "key_id": self.who.key_id,
+            "request_id": self.public_id,
+            "client": self.peer,
+            "priority": self.priority,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.emitted,
+            "resumed": self.resumed,
+            "status": status,
+            "duration_ms": round((time.monotonic() - self.started) * 1000, 1),
+        }
+
+
+class Audit:
+    def __init__(self, client: redis.Redis, max_entries: int):
+        self.r = client
+        self.max_entries = max_entries
+
+    def write(self, record: dict) -> None:
+        log.info("audit", extra=record)
+        try:
+            fields = {k: str(v) for k, v in record.items()}
+            self.r.xadd(AUDIT_STREAM, fields, maxlen=self.max_entries, approximate=True)
+        except redis.RedisError:
+            log.warning("audit stream unavailable; the log line stands")
