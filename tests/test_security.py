@@ -1,0 +1,214 @@
+"""API keys, tenants, tier limits, quotas shared by two gateways, and the audit trail, on a
+real cluster with auth on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import redis
+
+from conftest import cluster_config
+from helpers import request
+from specserve.common.settings import DEFAULT_TIERS, Tier
+from specserve.gateway.audit import AUDIT_STREAM
+from specserve.gateway.keys import KeyStore
+from specserve.local_cluster import LocalCluster
+from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+SECRET_PROMPT = "zebra quokka marmalade"  # must never show up in a log or the audit trail
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory, tiny_model_dir):
+    config = cluster_config(tiny_model_dir, gateway={"auth": "api_key"})
+    cluster = LocalCluster(config, tmp_path_factory.mktemp("secure"))
+    cluster.start(timeout=180, services=("scheduler", "verifier", "gateway"))
+    try:
+        env = {"SPECSERVE_GATEWAY_SCHEDULER_ADDRESS": cluster.procs["scheduler"].address}
+        cluster.start_service("gateway", env, instance="gateway-2")
+        cluster.wait_ready("gateway-2", 120)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def keys(secure):
+    return KeyStore(redis.Redis.from_url(secure.redis_url, decode_responses=True))
+
+
+def stub(cluster, gateway: str = "gateway"):
+    channel = grpc.insecure_channel(cluster.procs[gateway].address)
+    return generation_pb2_grpc.GenerationStub(channel)
+
+
+def auth(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def generate(gw, key: str, timeout: float = 60, **kw):
+    return list(gw.Generate(request(**kw), timeout=timeout, metadata=auth(key)))
+
+
+def rpc_error(fn) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    assert err.value.details()  # a message a person can act on
+    return err.value
+
+
+def cli(cluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specserve.cli", "keys", "--redis-url", cluster.redis_url, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_call_needs_a_valid_live_key(secure, keys):
+    gw = stub(secure)
+    made = cli(secure, "create", "--tenant", "acme", "--tier", "standard")
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip()
+    key_id = key.split("_")[1]
+    assert len(generate(gw, key, prompt="def f():", max_tokens=3)) >= 2
+    wrong_secret = key[: key.rindex("_") + 1] + "x" * 43
+    for metadata in (
+        [],
+        [("authorization", key)],  # no scheme
+        auth("not-a-key"),
+        auth("ssk_000000000000_" + "y" * 43),  # an id nobody has
+        auth(wrong_secret),
+    ):
+        err = rpc_error(lambda m=metadata: list(gw.Generate(request(prompt="x"), metadata=m)))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    err = rpc_error(lambda: gw.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    listed = cli(secure, "list")
+    assert key_id in listed.stdout and "acme" in listed.stdout and key not in listed.stdout
+    assert cli(secure, "revoke", key_id).returncode == 0
+    err = rpc_error(lambda: generate(gw, key, prompt="x", max_tokens=2))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in err.details()
+    assert cli(secure, "revoke", "nosuchkey").returncode == 1
+
+
+def test_keys_are_stored_hashed_only(secure, keys):
+    key = keys.create("hashed", "standard", DEFAULT_TIERS["standard"])
+    r = redis.Redis.from_url(secure.redis_url, decode_responses=True)
+    for name in r.scan_iter("specserve:apikey*"):
+        values = r.hgetall(name) if r.type(name) == "hash" else {"m": " ".join(r.smembers(name))}
+        assert all(key not in v and key.split("_")[2] not in v for v in values.values())
+
+
+def test_a_tier_bounds_what_a_key_may_ask(secure, keys):
+    gw = stub(secure)
+    free = keys.create("small", "free", DEFAULT_TIERS["free"])
+    err = rpc_error(
+        lambda: generate(
+            gw, free, prompt="x", max_tokens=2, priority=common_pb2.PRIORITY_CLASS_BATCH
+        )
+    )
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "batch" in err.details()
+    err = rpc_error(lambda: generate(gw, free, prompt="x", max_tokens=513))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "max_tokens" in err.details()
+    # Without max_tokens, the default is capped at the tier's.
+    final = generate(gw, free, prompt="x", timeout=120)[-1].final
+    assert final.usage.completion_tokens <= 512
+
+
+def test_a_tenant_never_sees_another_tenants_request(secure, keys, tokenizer):
+    gw = stub(secure)
+    a = keys.create("tenant-a", "standard", DEFAULT_TIERS["standard"])
+    b = keys.create("tenant-b", "standard", DEFAULT_TIERS["standard"])
+    mine = generate(gw, a, prompt="def alpha():", max_tokens=6, request_id="same-id")
+    ids_a = [t for c in mine for t in c.token_ids]
+    resume = generation_pb2.GenerateRequest(request_id="same-id", resume_from=0)
+    err = rpc_error(lambda: list(gw.Generate(resume, timeout=10, metadata=auth(b))))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    cancel = generation_pb2.CancelRequest(request_id="same-id")
+    err = rpc_error(lambda: gw.Cancel(cancel, timeout=10, metadata=auth(b)))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    # The same id from tenant b is b's own request: b gets its output, a keeps its own.
+    theirs = generate(gw, b, prompt="class Beta:", max_tokens=6, request_id="same-id")
+    assert theirs[0].request_id == "same-id"
+    again = list(gw.Generate(resume, timeout=10, metadata=auth(a)))
+    assert [t for c in again for t in c.token_ids] == ids_a
+
+
+def test_the_request_rate_is_shared_by_two_gateways(secure, keys):
+    gw1, gw2 = stub(secure), stub(secure, "gateway-2")
+    key = keys.create("limited", "standard", Tier(requests_per_minute=3))
+    generate(gw1, key, prompt="a", max_tokens=2)
+    generate(gw2, key, prompt="b", max_tokens=2)
+    generate(gw1, key, prompt="c", max_tokens=2)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(gw2, key, prompt="d", max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "requests per minute" in err.value.details()
+    retry = dict(err.value.trailing_metadata())["retry-after-ms"]
+    assert 0 < int(retry) <= 20_000  # one request comes back every 20 s
+
+
+def test_tokens_per_minute_count_prompt_and_output(secure, keys):
+    gw = stub(secure)
+    key = keys.create("tokens", "standard", Tier(tokens_per_minute=60))
+    err = rpc_error(lambda: generate(gw, key, prompt="x", max_tokens=100))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_tokens" in err.details()
+    generate(gw, key, prompt="x", max_tokens=40)  # reserves 41, uses what it generates
+    err = rpc_error(lambda: generate(gw, key, prompt="x", max_tokens=40))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens per minute" in err.details()
+
+
+def test_a_client_that_opens_streams_and_never_reads_them_is_capped(secure, keys):
+    gw = stub(secure)
+    key = keys.create("hoarder", "standard", Tier(concurrent_streams=2))
+    held = [
+        gw.Generate(request(prompt="def x():", max_tokens=1000), timeout=60, metadata=auth(key))
+        for _ in range(2)
+    ]
+    for call in held:
+        next(call)  # open, then never read again
+    err = rpc_error(lambda: generate(gw, key, prompt="x", max_tokens=2))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "streams" in err.details()
+    other = keys.create("bystander", "standard", DEFAULT_TIERS["standard"])
+    assert generate(gw, other, prompt="x", max_tokens=2)[-1].HasField("final")
+    held[0].cancel()
+    deadline = time.monotonic() + 10
+    while True:  # the slot comes back once the gateway sees the stream end
+        try:
+            generate(gw, key, prompt="x", max_tokens=2)
+            break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    held[1].cancel()
+
+
+def test_the_audit_trail_has_every_call_and_no_text(secure, keys):
+    gw = stub(secure)
+    key = keys.create("audited", "standard", DEFAULT_TIERS["standard"])
+    out = generate(gw, key, prompt=SECRET_PROMPT, max_tokens=5, request_id="audit-1")
+    text = "".join(c.text for c in out)
+    rpc_error(lambda: list(gw.Generate(request(prompt=SECRET_PROMPT), timeout=10)))
+    r = redis.Redis.from_url(secure.redis_url, decode_responses=True)
+    deadline = time.monotonic() + 10
+    while not (rows := [f for _, f in r.xrange(AUDIT_STREAM) if f["request_id"] == "audit-1"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    row = rows[0]
+    assert row["tenant"] == "audited" and row["status"] == "FINISH_REASON_LENGTH"
+    assert row["output_tokens"] == "5" and int(row["prompt_tokens"]) > 0
+    assert row["client"] and float(row["duration_ms"]) > 0
+    assert any(f["status"] == "UNAUTHENTICATED" for _, f in r.xrange(AUDIT_STREAM))
+    stored = " ".join(" ".join(f.values()) for _, f in r.xrange(AUDIT_STREAM))
+    logs = " ".join(p.log_text() for p in secure.procs.values())
+    assert '"msg": "audit"' in logs
+    for haystack in (stored, logs):
+        assert SECRET_PROMPT not in haystack and "quokka" not in haystack
+        assert not text.strip() or text not in haystack
