@@ -101,6 +101,22 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _certs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .common.tls import make_dev_certs
+
+    paths = make_dev_certs(Path(args.out), days=args.days)
+    for what, path in paths.items():
+        print(f"{what:14} {path}")
+    print(
+        "a development CA and a certificate per service; keys are mode 0600. Point each "
+        "service's tls_ca_file, tls_cert_file and tls_key_file at them.",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specserve",
@@ -139,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", action="store_true", help="use the batch priority class")
     g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     g.add_argument(
+        "--ca",
+        default=os.environ.get("SPECSERVE_CA"),
+        help="CA certificate to check the gateway's TLS certificate with (default: env "
+        "SPECSERVE_CA); without it, plaintext",
+    )
+    g.add_argument(
         "--api-key",
         default=os.environ.get("SPECSERVE_API_KEY"),
         help="API key (default: env SPECSERVE_API_KEY; `specserve up` prints a dev key)",
@@ -158,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     kr = ksub.add_parser("revoke", help="revoke a key by its id")
     kr.add_argument("key_id", help="the id: the part after ssk_ in the key")
     k.set_defaults(func=_keys)
+
+    c = sub.add_parser("certs", help="make TLS certificates")
+    csub = c.add_subparsers(dest="certs_cmd", required=True)
+    cd = csub.add_parser("dev", help="a development CA and a certificate per service")
+    cd.add_argument("--out", required=True, help="directory to write the PEM files to")
+    cd.add_argument("--days", type=int, default=365, help="validity (default 365)")
+    c.set_defaults(func=_certs)
 
     m = sub.add_parser("models", help="fetch and list models")
     m.add_argument("--cache-dir", help="model cache directory (default from config)")

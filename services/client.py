@@ -32,7 +32,12 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
 
 
 def generate_to_terminal(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    if args.ca:
+        with open(args.ca, "rb") as f:
+            channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []

@@ -230,23 +230,36 @@ def run_local_cluster(config_path: str | None, redis_url: str | None, port: int)
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     workdir = Path(tempfile.mkdtemp(prefix="specserve-"))
+    ca = None
+    if not (config.get("common") or {}).get("insecure"):  # mTLS with a fresh dev CA
+        from .common.tls import dev_tls_config, make_dev_certs
+
+        paths = make_dev_certs(workdir / "certs")
+        for section, values in dev_tls_config(paths).items():
+            config[section] = {**(config.get(section) or {}), **values}
+        ca = paths["ca"]
     cluster = LocalCluster(config, workdir, redis_url=redis_url)
     started = time.monotonic()
     print(f"starting the local cluster (logs in {workdir}) ...", flush=True)
     try:
         cluster.start(gateway_port=port)
         gateway = cluster.procs["gateway"].address
-        key, header = dev_key(cluster), ""
+        key, env, flags = dev_key(cluster), "", ""
         if key:
-            header = f"-H 'authorization: Bearer {key}' "
+            env, flags = f"SPECSERVE_API_KEY={key} ", f"-H 'authorization: Bearer {key}' "
             print(f"\ndev API key (tenant dev): {key}", flush=True)
+        if ca:
+            env, flags = env + f"SPECSERVE_CA={ca} ", flags + f"-cacert {ca} "
+            print(f"TLS on every port; the dev CA: {ca}", flush=True)
+        else:
+            flags += "-plaintext "
         print(
             f"\nready in {time.monotonic() - started:.1f}s. gateway: {gateway}  "
             f"redis: {cluster.redis_url}\n"
-            + (f"try:  SPECSERVE_API_KEY={key} " if key else "try:  ")
-            + f'specserve generate --address {gateway} "Write a Python function that '
+            f"try:  {env}"
+            f'specserve generate --address {gateway} "Write a Python function that '
             'reverses a string."\n'
-            f"  or: grpcurl -plaintext {header}"
+            f"  or: grpcurl {flags}"
             f'-d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\' '
             f"{gateway} specserve.v1.Generation/Generate\n"
             "Ctrl-C stops everything.",

@@ -89,7 +89,13 @@ def tiny_model(tiny_model_dir):
 def cluster_config(model_dir: Path | None, **sections) -> dict:
     model = {"path": str(model_dir)} if model_dir else {}
     config = {
-        "common": {"log_level": "INFO", "heartbeat_seconds": 0.5, "drain_seconds": 1},
+        # Plaintext: TLS is tested in test_security.py.
+        "common": {
+            "log_level": "INFO",
+            "heartbeat_seconds": 0.5,
+            "drain_seconds": 1,
+            "insecure": True,
+        },
         # API keys are tested in test_security.py; elsewhere one anonymous tenant.
         "gateway": {"model": model, "max_seq_len": 2048, "max_tokens_limit": 1024, "auth": "off"},
         "scheduler": {},

@@ -103,7 +103,6 @@ class Client:
 def chaos(tmp_path_factory, tiny_model_dir):
     config = cluster_config(
         tiny_model_dir,
-        common={"log_level": "INFO", "heartbeat_seconds": 0.5, "drain_seconds": 1},
         scheduler={"dead_verifier_grace_seconds": 0.5},
         verifier={"speculative_decoding": True, "draft_timeout_seconds": 1.0},
     )

@@ -10,13 +10,15 @@ import time
 import grpc
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import cluster_config
 from helpers import request
 from specserve.common.settings import DEFAULT_TIERS, Tier
+from specserve.common.tls import dev_tls_config, make_dev_certs
 from specserve.gateway.audit import AUDIT_STREAM
 from specserve.gateway.keys import KeyStore
-from specserve.local_cluster import LocalCluster
+from specserve.local_cluster import ClusterError, LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 SECRET_PROMPT = "zebra quokka marmalade"  # must never show up in a log or the audit trail
@@ -212,3 +214,72 @@ def test_the_audit_trail_has_every_call_and_no_text(secure, keys):
     for haystack in (stored, logs):
         assert SECRET_PROMPT not in haystack and "quokka" not in haystack
         assert not text.strip() or text not in haystack
+
+
+# --- TLS and mTLS ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_dev_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(tmp_path_factory, tiny_model_dir, certs):
+    config = cluster_config(tiny_model_dir, common={"insecure": False})
+    for section, values in dev_tls_config(certs).items():
+        config[section].update(values)
+    cluster = LocalCluster(config, tmp_path_factory.mktemp("tls"))
+    cluster.start(timeout=180, services=("scheduler", "verifier", "gateway"))
+    yield cluster
+    cluster.stop()
+
+
+def health(channel, timeout: float = 5):
+    return health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(), timeout=timeout
+    )
+
+
+def test_the_gateway_speaks_tls_and_internal_services_mtls(tls_cluster, certs, tmp_path):
+    ca = certs["ca"].read_bytes()
+    gateway, scheduler = (
+        tls_cluster.procs["gateway"].address,
+        tls_cluster.procs["scheduler"].address,
+    )
+    with grpc.secure_channel(gateway, grpc.ssl_channel_credentials(ca)) as channel:
+        out = list(
+            generation_pb2_grpc.GenerationStub(channel).Generate(
+                request(prompt="def f():", max_tokens=3), timeout=60
+            )
+        )  # gateway -> scheduler -> verifier all went over mTLS for this
+        assert out[-1].final.usage.completion_tokens == 3
+    other_ca = make_dev_certs(tmp_path / "other")
+    with grpc.insecure_channel(gateway) as channel:  # plaintext to a TLS port
+        assert rpc_error(lambda: health(channel)).code() == grpc.StatusCode.UNAVAILABLE
+    untrusted = grpc.ssl_channel_credentials(other_ca["ca"].read_bytes())
+    with grpc.secure_channel(gateway, untrusted) as channel:  # the wrong CA
+        assert rpc_error(lambda: health(channel)).code() == grpc.StatusCode.UNAVAILABLE
+    name = (("grpc.ssl_target_name_override", "specserve.internal"),)
+    no_cert = grpc.ssl_channel_credentials(ca)
+    with grpc.secure_channel(scheduler, no_cert, options=name) as channel:
+        assert rpc_error(lambda: health(channel)).code() == grpc.StatusCode.UNAVAILABLE
+    foreign = grpc.ssl_channel_credentials(
+        ca, other_ca["client-key"].read_bytes(), other_ca["client"].read_bytes()
+    )
+    with grpc.secure_channel(scheduler, foreign, options=name) as channel:
+        assert rpc_error(lambda: health(channel)).code() == grpc.StatusCode.UNAVAILABLE
+    client = grpc.ssl_channel_credentials(
+        ca, certs["client-key"].read_bytes(), certs["client"].read_bytes()
+    )
+    with grpc.secure_channel(scheduler, client, options=name) as channel:
+        assert health(channel).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_service_without_certificates_refuses_to_start_in_plaintext(tmp_path):
+    config = cluster_config(None, common={"insecure": False})
+    cluster = LocalCluster(config, tmp_path)
+    try:
+        with pytest.raises(ClusterError) as err:
+            cluster.start(timeout=60, services=("scheduler",))
+        assert "specserve certs dev" in str(err.value) and "insecure" in str(err.value)
+    finally:
+        cluster.stop()

@@ -13,6 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from . import tls
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -36,14 +38,14 @@ def retrying_channel(address: str, service: str) -> grpc.Channel:
             }
         ]
     }
-    return grpc.insecure_channel(
-        address,
-        options=[("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))],
+    return tls.channel(
+        address, [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
     )
 
 
 class Server:
-    """A gRPC server with grpc.health.v1 and reflection for the given services.
+    """A gRPC server with grpc.health.v1 and reflection for the given services, on TLS as
+    `tls` was configured (mTLS, or server-only TLS when `public`).
 
     `service_names` are full proto names (e.g. "specserve.v1.Generation"); health reports
     each of them and "" (the whole server). Readiness is set with `set_serving`.
@@ -56,6 +58,7 @@ class Server:
         service_names: Iterable[str],
         max_workers: int = 32,
         max_concurrent_rpcs: int | None = None,
+        public: bool = False,
     ):
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
@@ -72,7 +75,7 @@ class Server:
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc
         )
-        self.port = self.grpc.add_insecure_port(f"{host}:{port}")
+        self.port = tls.add_port(self.grpc, f"{host}:{port}", public)
         if self.port == 0:
             raise RuntimeError(f"cannot bind {host}:{port}")
         self.stopped = threading.Event()

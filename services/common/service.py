@@ -8,7 +8,7 @@ import sys
 
 import prometheus_client
 
-from . import telemetry
+from . import telemetry, tls
 from .settings import SETTINGS_BY_SERVICE
 
 log = logging.getLogger(__name__)
@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 def run_service(name: str, config_path: str | None, port: int | None = None) -> int:
     settings = SETTINGS_BY_SERVICE[name].load(config_path, port=port)
     telemetry.setup(name, settings.log_level, settings.otlp_endpoint)
+    tls.configure(settings)
     metrics = ""
     if settings.metrics_port is not None:
         http, _ = prometheus_client.start_http_server(settings.metrics_port, addr=settings.host)

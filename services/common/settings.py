@@ -54,6 +54,16 @@ class ServiceSettings(BaseSettings):
     )
     drain_seconds: float = Field(default=10.0, ge=0, description="Grace period on SIGTERM.")
     heartbeat_seconds: float = Field(default=1.0, gt=0)
+    insecure: bool = Field(
+        default=False, description="Plaintext gRPC, no certificates: local development only."
+    )
+    tls_ca_file: str | None = Field(default=None, description="The CA of the cluster (PEM).")
+    tls_cert_file: str | None = Field(default=None, description="This service's certificate.")
+    tls_key_file: str | None = Field(default=None, description="This service's private key.")
+    tls_server_name: str = Field(
+        default="specserve.internal",
+        description="The name internal certificates carry (peers are often dialled by IP).",
+    )
     model_cache_dir: str = str(Path.home() / ".cache" / "specserve" / "models")
 
     @classmethod

@@ -480,6 +480,7 @@ def build(settings: GatewaySettings):
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         max_workers=settings.max_workers,
         max_concurrent_rpcs=settings.max_concurrent_rpcs,
+        public=True,
     )
     server.grpc.add_generic_rpc_handlers((_handler(service),))
     server.start()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from ..common import tls
 from ..common.settings import VerifierSettings
 from ..common.tree import DraftTree, from_proto
 from ..drafter.proposers import NgramProposer, TreeShape
@@ -73,7 +74,7 @@ class DrafterClient:
     def open(self) -> None:
         self.close()
         self.epoch += 1
-        self._channel = grpc.insecure_channel(self.address)
+        self._channel = tls.channel(self.address)
         requests: queue.Queue = queue.Queue()
         self._requests, self._responses = requests, queue.Queue()
         call = drafter_pb2_grpc.DrafterStub(self._channel).Speculate(iter(requests.get, None))
