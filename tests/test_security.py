@@ -79,12 +79,12 @@ def test_a_call_needs_a_valid_live_key(secure, keys):
     key = made.stdout.strip()
     key_id = key.split("_")[1]
     assert len(generate(gw, key, prompt="def f():", max_tokens=3)) >= 2
-    wrong_secret = key[: key.rindex("_") + 1] + "x" * 43
+    wrong_secret = key[: key.rindex("_") + 1] + "x" * 48
     for metadata in (
         [],
         [("authorization", key)],  # no scheme
         auth("not-a-key"),
-        auth("ssk_000000000000_" + "y" * 43),  # an id nobody has
+        auth("ssk_000000000000_" + "y" * 48),  # an id nobody has
         auth(wrong_secret),
     ):
         err = rpc_error(lambda m=metadata: list(gw.Generate(request(prompt="x"), metadata=m)))

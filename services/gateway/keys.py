@@ -132,7 +132,7 @@ class KeyStore:
         if not TENANT.fullmatch(tenant):
             raise ValueError(f"tenant {tenant!r}: 1 to 63 of a-z, 0-9 and -, starting alphanumeric")
         if key is None:
-            key = f"{KEY_PREFIX}_{secrets.token_hex(6)}_{secrets.token_urlsafe(32)}"
+            key = f"{KEY_PREFIX}_{secrets.token_hex(6)}_{secrets.token_hex(24)}"
         key_id = split_key(key)
         record = {
             "digest": digest(key),
