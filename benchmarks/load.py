@@ -34,7 +34,7 @@ import grpc
 import numpy as np
 import torch
 
-from specserve.local_cluster import LocalCluster
+from specserve.local_cluster import LocalCluster, without_security
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .prompts import PROMPTS
@@ -209,7 +209,7 @@ def main() -> None:
     }
     results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(config, Path(tmp)).start(timeout=900)
+        cluster = LocalCluster(without_security(config), Path(tmp)).start(timeout=900)
         try:
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)

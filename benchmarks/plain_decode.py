@@ -19,7 +19,7 @@ import torch
 
 from specserve.common import models
 from specserve.common.settings import ModelRef, ServiceSettings
-from specserve.local_cluster import LocalCluster
+from specserve.local_cluster import LocalCluster, without_security
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
@@ -32,7 +32,7 @@ def cluster_rate(dtype: str, tokens: int, threads: int) -> dict:
         "drafter": {"proposer": "ngram"},
     }
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(config, Path(tmp))
+        cluster = LocalCluster(without_security(config), Path(tmp))
         started = time.monotonic()
         try:
             cluster.start(timeout=600)

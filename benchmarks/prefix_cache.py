@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from specserve.local_cluster import LocalCluster
+from specserve.local_cluster import LocalCluster, without_security
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 from .prompts import PROMPTS
@@ -62,7 +62,7 @@ def main() -> None:
     }
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(config, Path(tmp)).start(
+        cluster = LocalCluster(without_security(config), Path(tmp)).start(
             timeout=900, services=("scheduler", "verifier", "gateway")
         )
         try:

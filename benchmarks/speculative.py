@@ -31,7 +31,7 @@ import yaml
 
 from specserve.common import models
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
-from specserve.local_cluster import LocalCluster, free_port
+from specserve.local_cluster import LocalCluster, free_port, without_security
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
@@ -104,7 +104,7 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
     }
     results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(config, Path(tmp))
+        cluster = LocalCluster(without_security(config), Path(tmp))
         try:
             cluster.start(timeout=600, services=("scheduler", "verifier", "gateway"))
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:

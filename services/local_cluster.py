@@ -21,6 +21,15 @@ import yaml
 START_ORDER = ("scheduler", "drafter", "verifier", "gateway")
 
 
+def without_security(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with plaintext gRPC and no API keys: for benchmarks and tests that measure
+    something else (development only)."""
+    out = {section: dict(values or {}) for section, values in config.items()}
+    out.setdefault("common", {})["insecure"] = True
+    out.setdefault("gateway", {})["auth"] = "off"
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

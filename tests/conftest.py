@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from specserve.common import models  # noqa: E402
 from specserve.common.settings import ModelRef, ServiceSettings  # noqa: E402
-from specserve.local_cluster import LocalCluster  # noqa: E402
+from specserve.local_cluster import LocalCluster, without_security  # noqa: E402
 from specserve.v1 import generation_pb2_grpc  # noqa: E402
 
 TARGET = ModelRef()  # the default target model
@@ -89,15 +89,8 @@ def tiny_model(tiny_model_dir):
 def cluster_config(model_dir: Path | None, **sections) -> dict:
     model = {"path": str(model_dir)} if model_dir else {}
     config = {
-        # Plaintext: TLS is tested in test_security.py.
-        "common": {
-            "log_level": "INFO",
-            "heartbeat_seconds": 0.5,
-            "drain_seconds": 1,
-            "insecure": True,
-        },
-        # API keys are tested in test_security.py; elsewhere one anonymous tenant.
-        "gateway": {"model": model, "max_seq_len": 2048, "max_tokens_limit": 1024, "auth": "off"},
+        "common": {"log_level": "INFO", "heartbeat_seconds": 0.5, "drain_seconds": 1},
+        "gateway": {"model": model, "max_seq_len": 2048, "max_tokens_limit": 1024},
         "scheduler": {},
         "verifier": {
             "model": model,
@@ -110,6 +103,8 @@ def cluster_config(model_dir: Path | None, **sections) -> dict:
         "drafter": {"device": DEVICE}
         | ({"draft_model_path": str(model_dir), "min_path_prob": 0} if model_dir else {}),
     }
+    # Plaintext and one anonymous tenant: TLS and API keys are tested in test_security.py.
+    config = without_security(config)
     for name, values in sections.items():
         config[name].update(values)
     return config
