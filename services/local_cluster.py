@@ -67,6 +67,7 @@ class LocalCluster:
     workdir: Path
     redis_url: str | None = None
     redis_aof: bool = False  # persist every write (appendfsync always), as deployments do
+    redis_password: str | None = None  # required by the private Redis (from a 0600 conf file)
     procs: dict[str, Proc] = field(default_factory=dict)
     redis: subprocess.Popen | None = None
     redis_port: int = 0
@@ -82,9 +83,13 @@ class LocalCluster:
                 "redis-server is not installed (apt-get install redis-server), or pass --redis-url"
             )
         port = self.redis_port = self.redis_port or free_port()
+        conf = self.workdir / "redis.conf"  # the password stays out of the process list
+        conf.touch(mode=0o600)
+        conf.write_text(f"requirepass {self.redis_password}\n" if self.redis_password else "")
         self.redis = subprocess.Popen(
             [
                 "redis-server",
+                str(conf),
                 "--port",
                 str(port),
                 "--bind",
@@ -101,7 +106,8 @@ class LocalCluster:
             stdout=open(self.workdir / "redis.log", "a"),
             stderr=subprocess.STDOUT,
         )
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        auth = f":{self.redis_password}@" if self.redis_password else ""
+        self.redis_url = f"redis://{auth}127.0.0.1:{port}/0"
         for _ in range(100):
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
@@ -116,6 +122,7 @@ class LocalCluster:
             self.start_redis()
         common = self.config.setdefault("common", {})
         common["redis_url"] = self.redis_url
+        self.config_path.touch(mode=0o600)  # it may hold credentials
         self.config_path.write_text(yaml.safe_dump(self.config))
         try:
             for name in services:

@@ -3,9 +3,11 @@ real cluster with auth on."""
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,15 +24,25 @@ from specserve.local_cluster import ClusterError, LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 SECRET_PROMPT = "zebra quokka marmalade"  # must never show up in a log or the audit trail
+REDIS_PASSWORD = "redis-" + secrets.token_hex(12)  # nor this, nor in the process list
+
+
+SEEDED_KEY = "ssk_5eed00000001_" + "ab" * 24
 
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory, tiny_model_dir):
     config = cluster_config(tiny_model_dir, gateway={"auth": "api_key"})
-    cluster = LocalCluster(config, tmp_path_factory.mktemp("secure"))
+    workdir = tmp_path_factory.mktemp("secure")
+    cluster = LocalCluster(config, workdir, redis_password=REDIS_PASSWORD)
     cluster.start(timeout=180, services=("scheduler", "verifier", "gateway"))
     try:
-        env = {"SPECSERVE_GATEWAY_SCHEDULER_ADDRESS": cluster.procs["scheduler"].address}
+        seed = workdir / "keys.yaml"  # as a mounted Secret would hold them
+        seed.write_text(f"- {{key: {SEEDED_KEY}, tenant: seeded, tier: free}}\n")
+        env = {
+            "SPECSERVE_GATEWAY_SCHEDULER_ADDRESS": cluster.procs["scheduler"].address,
+            "SPECSERVE_GATEWAY_API_KEYS_FILE": str(seed),
+        }
         cluster.start_service("gateway", env, instance="gateway-2")
         cluster.wait_ready("gateway-2", 120)
         yield cluster
@@ -97,6 +109,24 @@ def test_a_call_needs_a_valid_live_key(secure, keys):
     err = rpc_error(lambda: generate(gw, key, prompt="x", max_tokens=2))
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in err.details()
     assert cli(secure, "revoke", "nosuchkey").returncode == 1
+
+
+def test_keys_seeded_from_a_file_at_start_work_on_every_gateway(secure, keys):
+    out = generate(stub(secure), SEEDED_KEY, prompt="x", max_tokens=2)  # seeded by gateway-2
+    assert out[-1].HasField("final")
+    assert any(k["id"] == "5eed00000001" and k["tenant"] == "seeded" for k in keys.list())
+
+
+def test_the_redis_password_is_in_no_log_or_process_list(secure):
+    assert f":{REDIS_PASSWORD}@" in secure.redis_url  # the cluster uses it
+    for proc in secure.procs.values():
+        assert REDIS_PASSWORD not in proc.log_text()
+        cmdline = Path(f"/proc/{proc.popen.pid}/cmdline").read_bytes().decode(errors="replace")
+        assert REDIS_PASSWORD not in cmdline
+    redis_cmdline = Path(f"/proc/{secure.redis.pid}/cmdline").read_bytes().decode()
+    assert REDIS_PASSWORD not in redis_cmdline
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=secure.redis_port, password="wrong").ping()
 
 
 def test_keys_are_stored_hashed_only(secure, keys):
