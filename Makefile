@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto models run test bench bench-load lint clean
+.PHONY: setup install proto models run test bench bench-load lint clean image image-gpu k8s-secrets k8s-render
 
 setup: install proto models
 
@@ -52,6 +52,19 @@ bench-load: setup
 lint: install proto
 	$(VENV)/bin/ruff check services tests benchmarks
 	$(VENV)/bin/ruff format --check services tests benchmarks
+
+# Container image (one for every role) and Kubernetes (deploy/k8s; README "Deploy").
+image:
+	docker build -t specserve:latest .
+
+image-gpu:
+	docker build -t specserve:gpu --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
+
+k8s-secrets: install
+	deploy/k8s/dev-secrets.sh
+
+k8s-render:
+	kubectl kustomize deploy/k8s/overlays/dev >/dev/null && kubectl kustomize deploy/k8s/overlays/gpu >/dev/null
 
 clean:
 	rm -rf build services/v1/*_pb2*.py services/v1/*_pb2*.pyi $(GEN)

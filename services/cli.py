@@ -101,6 +101,31 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    """Exit 0 if the service on this host answers SERVING (the k8s probe: TLS-aware, which
+    the kubelet's own gRPC probe is not)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from .common import tls
+    from .common.settings import SETTINGS_BY_SERVICE
+
+    settings = SETTINGS_BY_SERVICE[args.service].load(args.config)
+    tls.configure(settings)
+    port = args.port or settings.port
+    with tls.channel(f"127.0.0.1:{port}") as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=args.timeout
+            )
+        except grpc.RpcError as e:
+            print(f"{args.service}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+    print(f"{args.service}: {name}")
+    return 0 if status.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def _certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -180,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     kr = ksub.add_parser("revoke", help="revoke a key by its id")
     kr.add_argument("key_id", help="the id: the part after ssk_ in the key")
     k.set_defaults(func=_keys)
+
+    h = sub.add_parser("health", help="check a service on this host (exit 0 if SERVING)")
+    h.add_argument("service", choices=SERVICES)
+    h.add_argument("--port", type=int, help="its port (default from config)")
+    h.add_argument("--timeout", type=float, default=3.0)
+    h.set_defaults(func=_health)
 
     c = sub.add_parser("certs", help="make TLS certificates")
     csub = c.add_subparsers(dest="certs_cmd", required=True)

@@ -1,0 +1,130 @@
+"""The Kubernetes manifests, offline: each overlay renders (`kubectl kustomize`), every object
+validates against the Kubernetes schemas, and the wiring holds (Services select pods, every
+referenced ConfigMap and Secret key exists, ports agree with the config)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from specserve.common.settings import SETTINGS_BY_SERVICE
+
+K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.30"
+# Created by deploy/k8s/dev-secrets.sh (or by whoever runs the cluster): name -> keys.
+SECRETS = {
+    "specserve-redis": {"url", "redis.conf"},
+    "specserve-tls": {"ca.pem"}
+    | {f"{s}{suffix}" for s in SETTINGS_BY_SERVICE for suffix in (".pem", "-key.pem")},
+    "specserve-api-keys": {"keys.yaml"},
+}
+
+
+def render(overlay: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render the manifests (.ci/run installs it)"
+    out = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module", params=["dev", "gpu"])
+def objects(request) -> list[dict]:
+    return render(request.param)
+
+
+def pod_specs(objects):
+    for obj in objects:
+        template = obj.get("spec", {}).get("template")
+        if template:
+            yield obj, template
+
+
+def test_every_object_validates_against_the_schemas(objects):
+    kinds = {obj["kind"] for obj in objects}
+    assert {"StatefulSet", "Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler"} <= kinds
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_service_selects_a_pod_on_a_declared_port(objects):
+    templates = [t for _, t in pod_specs(objects)]
+    for svc in (o for o in objects if o["kind"] == "Service"):
+        selector = svc["spec"]["selector"]
+        matching = [
+            t for t in templates if selector.items() <= t["metadata"].get("labels", {}).items()
+        ]
+        assert matching, f"Service {svc['metadata']['name']} selects no pod"
+        names = {
+            p["name"] for t in matching for c in t["spec"]["containers"] for p in c.get("ports", [])
+        }
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in names, (svc["metadata"]["name"], port)
+
+
+def test_every_referenced_configmap_and_secret_key_exists(objects):
+    configmaps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
+    for owner, template in pod_specs(objects):
+        spec = template["spec"]
+        for volume in spec.get("volumes", []):
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in configmaps, volume
+            if "secret" in volume:
+                name = volume["secret"]["secretName"]
+                assert name in SECRETS, name
+                for item in volume["secret"].get("items", []):
+                    assert item["key"] in SECRETS[name], item
+        for container in spec.get("containers", []) + spec.get("initContainers", []):
+            for env in container.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["key"] in SECRETS[ref["name"]], (owner["metadata"]["name"], ref)
+
+
+def test_the_config_loads_and_its_ports_match_the_manifests(objects):
+    config = next(o for o in objects if o["metadata"]["name"].startswith("specserve-config"))
+    text = config["data"]["specserve.yaml"]
+    raw = yaml.safe_load(text)
+    workloads = {owner["metadata"]["name"]: template for owner, template in pod_specs(objects)}
+    for service, settings_cls in SETTINGS_BY_SERVICE.items():
+        settings = settings_cls(**{**raw["common"], **raw[service]})
+        container = workloads[service]["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["grpc"] == settings.port and ports["metrics"] == settings.metrics_port
+        assert container["command"][-1] == service
+        probe = container["readinessProbe"]["exec"]["command"]
+        assert probe[-2:] == ["health", service]
+        mounted = {m["mountPath"] for m in container["volumeMounts"]}
+        for path in (settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file):
+            assert str(Path(path).parent) in mounted, path
+    scheduler = yaml.safe_load(text)["gateway"]["scheduler_address"]
+    assert scheduler == f"scheduler:{raw['scheduler']['port']}"
+
+
+def test_pods_run_unprivileged_with_limits(objects):
+    for owner, template in pod_specs(objects):
+        assert template["spec"]["securityContext"]["runAsNonRoot"] is True, owner["metadata"]
+        for container in template["spec"]["containers"]:
+            assert container["resources"]["limits"]["memory"], container["name"]
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_the_gpu_overlay_gives_each_verifier_a_gpu():
+    verifier = next(
+        o
+        for o in render("gpu")
+        if o["metadata"]["name"] == "verifier" and o["kind"] == "StatefulSet"
+    )
+    container = verifier["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"name": "SPECSERVE_VERIFIER_DEVICE", "value": "cuda"} in container["env"]
