@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 def run_service(name: str, config_path: str | None, port: int | None = None) -> int:
     settings = SETTINGS_BY_SERVICE[name].load(config_path, port=port)
-    telemetry.setup(name, settings.log_level, settings.otlp_endpoint)
+    telemetry.setup(name, settings.log_level, settings.otlp_endpoint, settings.trace_sample_ratio)
     tls.configure(settings)
     metrics = ""
     if settings.metrics_port is not None:
@@ -32,4 +32,5 @@ def run_service(name: str, config_path: str | None, port: int | None = None) -> 
     # The bound ports, on a line of their own, for whoever started us with port 0.
     print(f"SPECSERVE_READY {name} {server.port}{metrics}", flush=True)
     server.run_until_signal(settings.drain_seconds, on_stop)
+    telemetry.shutdown()
     return 0

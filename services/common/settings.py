@@ -48,7 +48,12 @@ class ServiceSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     log_level: LogLevel = "INFO"
     timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of internal RPCs.")
-    otlp_endpoint: str | None = None
+    otlp_endpoint: str | None = Field(
+        default=None, description="OTLP/gRPC collector for traces (Jaeger: :4317); none: off."
+    )
+    trace_sample_ratio: float = Field(
+        default=1.0, ge=0, le=1, description="Share of requests traced (decided at the gateway)."
+    )
     metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="Prometheus /metrics port; unset = none."
     )

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
 import sys
 import time
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 
 class JsonFormatter(logging.Formatter):
@@ -32,20 +37,80 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def setup(service: str, log_level: str, otlp_endpoint: str | None = None) -> None:
-    """Configures JSON logging to stderr and a tracer provider named after the service."""
+def setup(
+    service: str, log_level: str, otlp_endpoint: str | None = None, sample_ratio: float = 1.0
+) -> None:
+    """JSON logging to stderr (with the current trace id), and a tracer provider named after
+    the service that exports OTLP over gRPC to `otlp_endpoint` (none: spans are not
+    recorded at all). A request's trace follows its parent's sampling decision."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
+    handler.addFilter(_add_trace_id)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(log_level)
+    if not otlp_endpoint:
+        return  # the API's no-op tracer: no cost
     resource = Resource.create(
-        {"service.name": f"specserve-{service}", "service.instance.id": str(os.getpid())}
+        {
+            "service.name": f"specserve-{service}",
+            "service.version": _version(),
+            "service.instance.id": os.environ.get("POD_NAME")
+            or f"{os.uname().nodename}:{os.getpid()}",
+            "k8s.pod.name": os.environ.get("POD_NAME", ""),
+        }
     )
-    provider = TracerProvider(resource=resource)
-    if otlp_endpoint:
-        logging.getLogger(__name__).warning(
-            "otlp_endpoint is set but no OTLP exporter is installed; spans are not exported",
-            extra={"endpoint": otlp_endpoint},
-        )
+    provider = TracerProvider(
+        resource=resource, sampler=ParentBased(TraceIdRatioBased(sample_ratio))
+    )
+    provider.add_span_processor(
+        BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True))
+    )
     trace.set_tracer_provider(provider)
+
+
+def shutdown() -> None:
+    """Sends the spans still buffered (at exit)."""
+    provider = trace.get_tracer_provider()
+    if hasattr(provider, "shutdown"):
+        provider.shutdown()
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("specserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "dev"
+
+
+def _add_trace_id(record: logging.LogRecord) -> bool:
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        record.trace_id = f"{ctx.trace_id:032x}"
+    return True
+
+
+tracer = trace.get_tracer("specserve")
+
+
+def inject(context: Context | None = None) -> list[tuple[str, str]]:
+    """gRPC metadata carrying a span's context (the current one by default) to the callee."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=context)
+    return list(carrier.items())
+
+
+def extract(metadata) -> Context:
+    """The caller's context from gRPC metadata (or any (key, value) pairs)."""
+    return propagate.extract({k: v for k, v in metadata or ()})
+
+
+def traceparent() -> str:
+    """The current span's context as a W3C traceparent ('' when not traced)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+def from_traceparent(value: str) -> Context:
+    return propagate.extract({"traceparent": value} if value else {})

@@ -7,6 +7,7 @@ import threading
 
 import torch
 
+from ..common import telemetry
 from ..common.grpc_server import Server
 from ..common.settings import DrafterSettings
 from ..common.store import RequestStore, heartbeat_forever
@@ -56,8 +57,15 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     DraftJob(sid, history, delta.budget, delta.temperature, delta.draw_seed)
                 )
         if jobs:
-            with self._lock, metrics.PROPOSE_SECONDS.time():
+            parent = telemetry.from_traceparent(request.traceparent)
+            with (
+                telemetry.tracer.start_as_current_span("drafter.propose", context=parent) as span,
+                self._lock,
+                metrics.PROPOSE_SECONDS.time(),
+            ):
                 trees = self.proposer.propose(jobs)
+                span.set_attribute("sequences", len(jobs))
+                span.set_attribute("nodes", sum(map(len, trees)))
             for job, tree in zip(jobs, trees, strict=True):
                 metrics.TREE_NODES.observe(len(tree))
                 to_proto(tree, response.trees.add(sequence_id=job.seq_id))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -35,6 +36,8 @@ class Call:
     emitted: int = 0  # tokens sent to the client
     streaming: bool = False  # the request is accepted and its output is being streamed
     finish: str = ""  # the finish reason, once the final chunk went out
+    span: Any = None  # the call's span (gateway.generate)
+    trace_ctx: Any = None  # a context holding it: the parent of what the call does
 
     def record(self, status: str) -> dict:
         return {

@@ -11,8 +11,9 @@ import uuid
 import grpc
 import redis
 from google.protobuf import json_format
+from opentelemetry import trace
 
-from ..common import models
+from ..common import models, telemetry
 from ..common.grpc_server import Server, retrying_channel
 from ..common.settings import GatewaySettings
 from ..common.store import RequestStore
@@ -90,7 +91,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     # --- Generate ---------------------------------------------------------------------------
     def Generate(self, request, context):
         call = Call(peer=context.peer())
+        call.span = telemetry.tracer.start_span(
+            "gateway.generate", context=telemetry.extract(context.invocation_metadata())
+        )
+        call.trace_ctx = trace.set_span_in_context(call.span)
         context.add_callback(lambda: self._ended(call, context))
+        yield from self._generate(request, context, call)
+
+    def _generate(self, request, context, call: Call):
         if isinstance(request, _BadBytes):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -100,11 +108,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if request.HasField("resume_from"):
             yield from self._resume(request, context, call)
             return
-        try:
-            submit = self._to_submit(request, context, call.who)
-        except InvalidRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self._authorize(call.who, submit, context)
+        with telemetry.tracer.start_as_current_span("gateway.validate", context=call.trace_ctx):
+            try:
+                submit = self._to_submit(request, context, call.who)
+            except InvalidRequest as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self._authorize(call.who, submit, context)
         call.public_id = submit.request_id
         call.rid = submit.request_id = call.who.scoped(submit.request_id)
         call.prompt_tokens, call.max_tokens = len(submit.prompt_ids), submit.max_tokens
@@ -116,7 +125,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             return
         try:
             # Waits out a restarting scheduler (within the deadline); Submit is idempotent.
-            self.scheduler.Submit(submit, timeout=self._timeout(context), wait_for_ready=True)
+            self.scheduler.Submit(
+                submit,
+                timeout=self._timeout(context),
+                wait_for_ready=True,
+                metadata=telemetry.inject(call.trace_ctx),
+            )
         except grpc.RpcError as e:
             if e.code() in PASS_THROUGH:
                 context.set_trailing_metadata(e.trailing_metadata() or ())
@@ -194,7 +208,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._cancel_quietly(call.rid)
         code = context.code() if hasattr(context, "code") else None
         status = call.finish or (code.name if code else "CANCELLED")
-        self.audit.write(call.record(status))
+        record = call.record(status)
+        self.audit.write(record)
+        call.span.set_attributes({k: v for k, v in record.items() if k != "client"})
+        call.span.end()
 
     # --- result cache -----------------------------------------------------------------------
     def _cached_result(self, key: str):

@@ -11,6 +11,7 @@ from collections import deque
 import grpc
 from google.protobuf import json_format
 
+from ..common import telemetry
 from ..common.capacity import kv_fit_problem
 from ..common.grpc_server import Server, retrying_channel
 from ..common.settings import SchedulerSettings
@@ -73,6 +74,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         }
 
     def Submit(self, request: scheduler_pb2.SubmitRequest, context) -> scheduler_pb2.SubmitResponse:
+        parent = telemetry.extract(context.invocation_metadata())
+        with telemetry.tracer.start_as_current_span("scheduler.submit", context=parent) as span:
+            request.traceparent = telemetry.traceparent()  # the trace goes on through Redis
+            response = self._submit(request, context)
+            span.set_attributes({"existing": response.existing, "waiting": response.queue_position})
+            return response
+
+    def _submit(self, request, context) -> scheduler_pb2.SubmitResponse:
         cls = CLASS_NAMES.get(request.priority)
         if cls is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "priority must be interactive or batch")
@@ -278,15 +287,21 @@ class Placer:
                 continue
             result = None
             candidates = loads
+            trace_ctx = telemetry.from_traceparent(spec.get("traceparent", ""))
             while result is None:
                 target = choose_verifier(candidates, want)
                 if target is None:
                     return False  # fits nowhere now: the class waits (first in, first out)
-                result = self._admit(target.address, rec.request_id)
+                result = self._admit(target.address, rec.request_id, trace_ctx)
                 # refused or failed: full for this request for now
                 candidates = [v for v in candidates if v is not target]
             self.waiting[cls].popleft()
             if result:
+                queued = telemetry.tracer.start_span(
+                    "scheduler.queue", context=trace_ctx, start_time=rec.created_ms * 1_000_000
+                )
+                queued.set_attributes({"class": cls, "requeues": rec.requeues})
+                queued.end()
                 target.take(cls, target.need(want.prompt_tokens, want.max_tokens))
                 metrics.PLACED.labels(cls).inc()
                 metrics.QUEUE_WAIT.labels(cls).observe(max(0, now_ms() - rec.created_ms) / 1e3)
@@ -327,12 +342,19 @@ class Placer:
         if self.store.end_queued(rec.request_id, final, "failed"):
             log.warning("cannot fit", extra={"request_id": rec.request_id, "class": cls})
 
-    def _admit(self, address: str, rid: str) -> bool | None:
+    def _admit(self, address: str, rid: str, trace_ctx) -> bool | None:
         """True if admitted, False if the request no longer needs placing, None to retry."""
         try:
-            resp = self.verifiers.get(address).Admit(
-                verifier_pb2.AdmitRequest(request_id=rid), timeout=self.settings.timeout_seconds
-            )
+            with telemetry.tracer.start_as_current_span(
+                "scheduler.place", context=trace_ctx
+            ) as span:
+                span.set_attribute("verifier", address)
+                resp = self.verifiers.get(address).Admit(
+                    verifier_pb2.AdmitRequest(request_id=rid),
+                    timeout=self.settings.timeout_seconds,
+                    metadata=telemetry.inject(),
+                )
+                span.set_attribute("admitted", resp.admitted)
         except grpc.RpcError as e:
             log.warning("admit failed", extra={"verifier": address, "code": str(e.code())})
             return None

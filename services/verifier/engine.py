@@ -18,7 +18,9 @@ from collections.abc import Callable
 
 import redis
 import torch
+from opentelemetry import trace
 
+from ..common import telemetry
 from ..common.store import RequestStore
 from ..common.tree import DraftTree
 from . import metrics
@@ -161,36 +163,71 @@ class Engine:
                 return
 
     def step(self) -> None:
-        """Plan, draft, verify, accept, emit: one forward pass for every running sequence."""
+        """Plan, draft, verify, accept, emit: one forward pass for every running sequence.
+        The step's span goes in the trace of its first traced sequence, linked to the others'."""
         plan = self._plan()
         if plan:
-            seqs, takes = [s for s, _ in plan], [t for _, t in plan]
-            complete = [take == seq.num_pending for seq, take in plan]
-            metrics.BATCH_SIZE.observe(len(seqs))
-            prefill = sum(t for (s, t) in plan if s.prefilling)
-            first_token = any(
-                s.prefilling and done and s.queue == "interactive"
-                for (s, _), done in zip(plan, complete, strict=True)
-            )
-            with metrics.DRAFT_SECONDS.time():
-                trees = self.speculator.propose(seqs, prefill, first_token)
-            try:
-                started = time.perf_counter()
-                logits = self.runner.verify(seqs, trees, takes)
-                elapsed = time.perf_counter() - started
-                metrics.VERIFY_SECONDS.observe(elapsed)
-                self.speculator.observe_step(sum(takes) + sum(map(len, trees)), elapsed, prefill)
-            except (RuntimeError, torch.OutOfMemoryError) as e:
-                log.exception("forward failed", extra={"requests": len(seqs)})
-                for seq in seqs:
-                    seq.finish_reason, seq.error = "FINISH_REASON_ERROR", f"forward failed: {e}"
-            else:
-                for seq, tree, rows, done in zip(seqs, trees, logits, complete, strict=True):
-                    if done:  # else a prefill chunk: no token until the prompt is all in
-                        self._accept(seq, tree, rows)
+            traced = [s.trace_ctx for s, _ in plan if s.trace_ctx is not None]
+            links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in traced[1:]]
+            with telemetry.tracer.start_as_current_span(
+                "verifier.step", context=traced[0] if traced else None, links=links
+            ) as span:
+                self._forward(plan, span)
         self.steps += 1
         metrics.STEPS.inc()
         self._emit(list(self.running.values()))
+
+    def _forward(self, plan: list[tuple[Sequence, int]], span: trace.Span) -> None:
+        """Draft, verify and accept for the planned sequences."""
+        seqs, takes = [s for s, _ in plan], [t for _, t in plan]
+        complete = [take == seq.num_pending for seq, take in plan]
+        prefilling = [seq.prefilling for seq in seqs]  # (before the forward pass moves on)
+        metrics.BATCH_SIZE.observe(len(seqs))
+        prefill = sum(t for (s, t) in plan if s.prefilling)
+        first_token = any(
+            s.prefilling and done and s.queue == "interactive"
+            for (s, _), done in zip(plan, complete, strict=True)
+        )
+        with telemetry.tracer.start_as_current_span("verifier.draft"), metrics.DRAFT_SECONDS.time():
+            trees = self.speculator.propose(seqs, prefill, first_token)
+        span.set_attributes(
+            {"batch_size": len(seqs), "prefill_tokens": prefill, "tree_nodes": sum(map(len, trees))}
+        )
+        try:
+            started = time.perf_counter()
+            with telemetry.tracer.start_as_current_span("verifier.verify"):
+                logits = self.runner.verify(seqs, trees, takes)
+            elapsed = time.perf_counter() - started
+            metrics.VERIFY_SECONDS.observe(elapsed)
+            self.speculator.observe_step(sum(takes) + sum(map(len, trees)), elapsed, prefill)
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            log.exception("forward failed", extra={"requests": len(seqs)})
+            for seq in seqs:
+                seq.finish_reason, seq.error = "FINISH_REASON_ERROR", f"forward failed: {e}"
+            return
+        accepted = 0
+        for seq, tree, rows, done, prefilled in zip(
+            seqs, trees, logits, complete, prefilling, strict=True
+        ):
+            if not done:  # a prefill chunk: no token until the prompt is all in
+                continue
+            if prefilled:
+                self._prefill_span(seq)
+            accepted += self._accept(seq, tree, rows)
+        span.set_attribute("accepted_tokens", accepted)
+
+    @staticmethod
+    def _prefill_span(seq: Sequence) -> None:
+        """A span from admission to the end of the prompt's prefill, in the request's trace."""
+        if seq.trace_ctx is None:
+            return
+        span = telemetry.tracer.start_span(
+            "verifier.prefill", context=seq.trace_ctx, start_time=int(seq.admitted_ms * 1e6)
+        )
+        span.set_attribute("prompt_tokens", len(seq.prompt_ids))
+        span.set_attribute("cached_tokens", seq.cached_tokens)
+        span.set_attribute("restored_tokens", seq.restored)
+        span.end()
 
     def _plan(self) -> list[tuple[Sequence, int]]:
         """The sequences that take part in this step (running, not cancelled, not finished),
@@ -214,7 +251,8 @@ class Engine:
                 plan.append((seq, take))
         return plan
 
-    def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> None:
+    def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> int:
+        """Accepts what the target agrees with; returns how many draft tokens it accepted."""
         verdict = accept(tree, logits, seq.params, seq.generator)
         self.runner.commit(seq, tree, verdict.accepted)
         emitted = seq.extend(verdict.tokens, self._finished)
@@ -230,6 +268,7 @@ class Engine:
         metrics.ACCEPTED_TOKENS.inc(accepted)
         metrics.ACCEPTED_LENGTH.observe(emitted)
         metrics.GENERATED_TOKENS.inc(emitted)
+        return accepted
 
     def _finished(self, seq: Sequence) -> str | None:
         return seq.check_finished(self.eos_ids, self.max_seq_len, self._tail_text)

@@ -31,6 +31,7 @@ class Sequence:
     tree_size: int | None = None  # the request's fixed tree size, if it set one
     session_id: str = ""
     deadline_ms: int = 0  # unix ms after which the request stops (0: none)
+    trace_ctx: Any = None  # the request's trace context here (its Admit span), if traced
     restored: int = 0  # output tokens generated before this verifier took the request over
     kv_limit: int | None = None  # KV entries reserved at admission; the buffer stays within
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

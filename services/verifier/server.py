@@ -7,8 +7,9 @@ import threading
 
 import grpc
 import torch
+from opentelemetry import context as otel_context
 
-from ..common import models
+from ..common import models, telemetry
 from ..common.capacity import kv_need
 from ..common.flat_model import FlatModel
 from ..common.grpc_server import Server
@@ -76,6 +77,13 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.draining = False  # set on SIGTERM: no new work
 
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> pb.AdmitResponse:
+        parent = telemetry.extract(context.invocation_metadata())
+        with telemetry.tracer.start_as_current_span("verifier.admit", context=parent) as span:
+            response = self._admit(request, context)
+            span.set_attribute("admitted", response.admitted)
+            return response
+
+    def _admit(self, request: pb.AdmitRequest, context) -> pb.AdmitResponse:
         rid = request.request_id
         if not rid:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
@@ -96,6 +104,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         if grant is None:  # a concurrent Admit of the same request (a retry) is admitting it
             return self._held(rid)
         seq.admitted_ms = now_ms()
+        seq.trace_ctx = otel_context.get_current()
         try:
             claimed = self.store.claim(rid, self.verifier_id, seq.admitted_ms)
         except Exception:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from ..common import tls
+from ..common import telemetry, tls
 from ..common.settings import VerifierSettings
 from ..common.tree import DraftTree, from_proto
 from ..drafter.proposers import NgramProposer, TreeShape
@@ -362,7 +362,7 @@ class Speculator:
         self, client: DrafterClient, seqs: list[Sequence], budgets: list[int], members: list[int]
     ) -> drafter_pb2.DraftRequest:
         """What changed for these sequences since this drafter's stream last heard of them."""
-        request = drafter_pb2.DraftRequest(step=self._step)
+        request = drafter_pb2.DraftRequest(step=self._step, traceparent=telemetry.traceparent())
         for rid in self._finished.pop(client.address, []):
             request.sequences.add(sequence_id=rid, finished=True)
         if not client.is_open:

@@ -1,0 +1,126 @@
+"""One trace per request across all four services: the cluster exports OTLP to a real gRPC
+OTLP trace collector run by the test, and the span tree of one request is checked."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from conftest import cluster_config
+from helpers import generate, request
+from specserve.local_cluster import LocalCluster
+from specserve.v1 import generation_pb2_grpc
+
+PROMPT = "def pangolin_checksum(values):"  # must be in no span attribute
+SERVICES = {f"specserve-{s}" for s in ("gateway", "scheduler", "verifier", "drafter")}
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver that keeps every span with its service's name."""
+
+    def __init__(self):
+        self.spans: list[tuple[str, object]] = []
+        self.lock = threading.Lock()
+
+    def Export(self, request, context):
+        with self.lock:
+            for resource_spans in request.resource_spans:
+                attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                for scope in resource_spans.scope_spans:
+                    self.spans.extend((attrs["service.name"], span) for span in scope.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: bytes) -> list[tuple[str, object]]:
+        with self.lock:
+            return [(s, span) for s, span in self.spans if span.trace_id == trace_id]
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory, tiny_model_dir):
+    collector = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    config = cluster_config(
+        tiny_model_dir,
+        common={"otlp_endpoint": f"http://127.0.0.1:{port}"},
+        verifier={"speculative_decoding": True, "speculation_policy": "fixed"},
+    )
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # export within a tenth of a second
+    cluster = LocalCluster(config, tmp_path_factory.mktemp("traced"))
+    try:
+        cluster.start(timeout=180)
+        yield cluster, collector
+    finally:
+        os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
+        cluster.stop()
+        server.stop(0)
+
+
+def attribute_values(span) -> list[str]:
+    return [str(getattr(a.value, a.value.WhichOneof("value"))) for a in span.attributes]
+
+
+def test_one_request_is_one_trace_across_all_four_services(traced):
+    cluster, collector = traced
+    with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        generate(stub, request(prompt=PROMPT, max_tokens=8, request_id="traced-1"))
+    deadline = time.monotonic() + 20
+    while True:
+        roots = [
+            span
+            for _, span in list(collector.spans)
+            if span.name == "gateway.generate" and "traced-1" in attribute_values(span)
+        ]
+        spans = collector.trace(roots[0].trace_id) if roots else []
+        names = {span.name for _, span in spans}
+        if {s for s, _ in spans} >= SERVICES and "drafter.propose" in names:
+            break
+        assert time.monotonic() < deadline, f"spans so far: {sorted(names)}"
+        time.sleep(0.2)
+    time.sleep(0.5)  # the last spans of the request (its final steps)
+    spans = collector.trace(roots[0].trace_id)
+    by_id = {span.span_id: (service, span) for service, span in spans}
+    children: dict[bytes, list] = {}
+    for service, span in spans:
+        if span.parent_span_id:
+            assert span.parent_span_id in by_id, f"{span.name} has a parent outside the trace"
+            children.setdefault(span.parent_span_id, []).append((service, span))
+    top = [span for _, span in spans if not span.parent_span_id]
+    assert [span.name for span in top] == ["gateway.generate"]
+
+    def parent_of(name: str) -> str:
+        span = next(span for _, span in spans if span.name == name)
+        return by_id[span.parent_span_id][1].name
+
+    assert parent_of("gateway.validate") == "gateway.generate"
+    assert parent_of("scheduler.submit") == "gateway.generate"
+    assert parent_of("scheduler.queue") == "scheduler.submit"  # across the Redis queue
+    assert parent_of("scheduler.place") == "scheduler.submit"
+    assert parent_of("verifier.admit") == "scheduler.place"
+    assert parent_of("verifier.prefill") == "verifier.admit"
+    assert parent_of("verifier.step") == "verifier.admit"
+    assert parent_of("verifier.verify") == "verifier.step"
+    assert parent_of("drafter.propose") == "verifier.draft"
+    step = next(span for _, span in spans if span.name == "verifier.step")
+    assert {a.key for a in step.attributes} >= {"batch_size", "tree_nodes", "accepted_tokens"}
+    for _, span in spans:
+        assert not any("pangolin" in v for v in attribute_values(span)), span.name
+
+    def show(span_id: bytes, depth: int) -> None:
+        service, span = by_id[span_id]
+        ms = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
+        print(f"{'  ' * depth}{span.name} [{service.removeprefix('specserve-')}] {ms:.1f} ms")
+        for _, child in sorted(children.get(span_id, []), key=lambda c: c[1].start_time_unix_nano):
+            show(child.span_id, depth + 1)
+
+    print(f"\ntrace {roots[0].trace_id.hex()}: {len(spans)} spans")
+    show(top[0].span_id, 0)
