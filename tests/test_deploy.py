@@ -4,6 +4,9 @@ referenced ConfigMap and Secret key exists, ports agree with the config)."""
 
 from __future__ import annotations
 
+import importlib
+import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -128,3 +131,50 @@ def test_the_gpu_overlay_gives_each_verifier_a_gpu():
     container = verifier["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert {"name": "SPECSERVE_VERIFIER_DEVICE", "value": "cuda"} in container["env"]
+
+
+# --- monitoring -------------------------------------------------------------------------------
+MONITORING = K8S.parent / "monitoring"
+
+
+def exported_names() -> set[str]:
+    """Every series name the services export (their metrics modules, process metrics)."""
+    import prometheus_client
+
+    for service in SETTINGS_BY_SERVICE:
+        importlib.import_module(f"specserve.{service}.metrics")
+    names = set()
+    for family in prometheus_client.REGISTRY.collect():
+        names.add(family.name)
+        names.update(sample.name for sample in family.samples)
+        if family.type == "histogram":
+            names.update(f"{family.name}_{s}" for s in ("bucket", "sum", "count"))
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+    return names
+
+
+def referenced(exprs: list[str]) -> set[str]:
+    return {m for e in exprs for m in re.findall(r"\b(?:specserve|process)_[a-z_]+", e)}
+
+
+def test_alert_rules_are_complete_and_the_operator_copy_matches():
+    rules = yaml.safe_load((MONITORING / "alerts.yml").read_text())
+    operator = yaml.safe_load((K8S / "monitoring" / "prometheus-rule.yaml").read_text())
+    assert operator["kind"] == "PrometheusRule" and operator["spec"]["groups"] == rules["groups"]
+    alerts = [r for g in rules["groups"] for r in g["rules"]]
+    assert len(alerts) >= 6
+    for rule in alerts:
+        assert rule["alert"] and rule["expr"] and rule["for"]
+        assert rule["labels"]["severity"] in ("warning", "critical")
+        assert rule["annotations"]["summary"]
+    missing = referenced([r["expr"] for r in alerts]) - exported_names()
+    assert not missing, f"alerts use metrics nobody exports: {missing}"
+
+
+def test_the_dashboard_shows_exported_metrics():
+    dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(dashboard["panels"]) >= 10 and all(exprs)
+    missing = referenced(exprs) - exported_names()
+    assert not missing, f"the dashboard uses metrics nobody exports: {missing}"

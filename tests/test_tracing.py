@@ -1,5 +1,5 @@
-"""One trace per request across all four services: the cluster exports OTLP to a real gRPC
-OTLP trace collector run by the test, and the span tree of one request is checked."""
+"""What operators see: one trace per request across all four services (the cluster exports
+OTLP to a real gRPC OTLP trace collector run by the test), and each service's metrics page."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from conftest import cluster_config
-from helpers import generate, request
+from helpers import generate, request, scrape
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2_grpc
 
@@ -50,7 +50,7 @@ def traced(tmp_path_factory, tiny_model_dir):
     server.start()
     config = cluster_config(
         tiny_model_dir,
-        common={"otlp_endpoint": f"http://127.0.0.1:{port}"},
+        common={"otlp_endpoint": f"http://127.0.0.1:{port}", "metrics_port": 0},
         verifier={"speculative_decoding": True, "speculation_policy": "fixed"},
     )
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # export within a tenth of a second
@@ -124,3 +124,51 @@ def test_one_request_is_one_trace_across_all_four_services(traced):
 
     print(f"\ntrace {roots[0].trace_id.hex()}: {len(spans)} spans")
     show(top[0].span_id, 0)
+
+
+# What each service's /metrics must list (after the request above has run).
+EXPECTED = {
+    "gateway": [
+        'specserve_gateway_requests_total{priority="interactive",status="FINISH_REASON_LENGTH"}',
+        'specserve_gateway_ttft_seconds_count{priority="interactive"}',
+        'specserve_gateway_time_per_output_token_seconds_count{priority="interactive"}',
+        "specserve_gateway_output_tokens_total",
+        "specserve_gateway_open_streams",
+    ],
+    "scheduler": [
+        'specserve_scheduler_queue_depth{priority="interactive"}',
+        'specserve_scheduler_queue_wait_seconds_count{priority="interactive"}',
+        'specserve_scheduler_live_members{kind="verifier"}',
+        'specserve_scheduler_live_members{kind="drafter"}',
+    ],
+    "verifier": [
+        "specserve_verifier_steps_total",
+        "specserve_verifier_batch_size_count",
+        "specserve_verifier_accepted_length_count",
+        "specserve_verifier_drafted_tokens_total",
+        "specserve_verifier_accepted_tokens_total",
+        "specserve_verifier_draft_seconds_count",
+        "specserve_verifier_verify_seconds_count",
+        "specserve_verifier_fallback_steps_total",
+        "specserve_verifier_kv_budget_tokens",
+        "specserve_verifier_kv_reserved_tokens",
+        "specserve_verifier_accelerator_memory_bytes",
+    ],
+    "drafter": ["specserve_drafter_propose_seconds_count", "specserve_drafter_tree_nodes_count"],
+}
+
+
+def test_each_service_lists_its_metrics(traced):
+    cluster, _ = traced
+    with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
+        generate(generation_pb2_grpc.GenerationStub(channel), request(prompt="x", max_tokens=4))
+    time.sleep(1.5)  # the scheduler's live-member gauges refresh every 0.5 s
+    for service, names in EXPECTED.items():
+        page = scrape(cluster.procs[service].metrics_port)
+        assert page["process_resident_memory_bytes"] > 0, service
+        missing = [name for name in names if name not in page]
+        assert not missing, f"{service} does not list {missing}"
+    gateway = scrape(cluster.procs["gateway"].metrics_port)
+    assert gateway["specserve_gateway_output_tokens_total"] >= 4
+    scheduler = scrape(cluster.procs["scheduler"].metrics_port)
+    assert scheduler['specserve_scheduler_live_members{kind="verifier"}'] == 1

@@ -34,6 +34,7 @@ class Call:
     max_tokens: int = 0
     priority: str = ""
     emitted: int = 0  # tokens sent to the client
+    first_token_at: float = 0.0  # monotonic time of the first token sent
     streaming: bool = False  # the request is accepted and its output is being streamed
     finish: str = ""  # the finish reason, once the final chunk went out
     span: Any = None  # the call's span (gateway.generate)

@@ -18,6 +18,7 @@ from ..common.grpc_server import Server, retrying_channel
 from ..common.settings import GatewaySettings
 from ..common.store import RequestStore
 from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from . import metrics
 from .audit import Audit, Call
 from .keys import ANONYMOUS, AuthError, KeyStore, Principal, QuotaExceeded, stream_id
 from .text import IncrementalDetokenizer, StopTrimmer
@@ -117,7 +118,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         call.public_id = submit.request_id
         call.rid = submit.request_id = call.who.scoped(submit.request_id)
         call.prompt_tokens, call.max_tokens = len(submit.prompt_ids), submit.max_tokens
-        call.priority = common_pb2.PriorityClass.Name(submit.priority)
+        name = common_pb2.PriorityClass.Name(submit.priority)
+        call.priority = name.removeprefix("PRIORITY_CLASS_").lower()  # as the queues name it
         self._open_stream(call, context, new_request=True)
         cache_key = result_cache_key(submit, self.model_id) if request.use_result_cache else None
         if cache_key and (hit := self._cached_result(cache_key)):
@@ -210,6 +212,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         status = call.finish or (code.name if code else "CANCELLED")
         record = call.record(status)
         self.audit.write(record)
+        metrics.REQUESTS.labels(call.priority or "unknown", status).inc()
+        if call.emitted > 1 and not call.resumed:
+            per_token = (time.monotonic() - call.first_token_at) / (call.emitted - 1)
+            metrics.TPOT.labels(call.priority).observe(per_token)
+        if call.streaming:
+            metrics.OPEN_STREAMS.dec()
         call.span.set_attributes({k: v for k, v in record.items() if k != "client"})
         call.span.end()
 
@@ -341,6 +349,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         last_id = "0-0"
         outage = None
         call.streaming = True
+        metrics.OPEN_STREAMS.inc()
         while context.is_active():
             try:
                 entries = self.store.tail(rid, last_id, TAIL_BLOCK_MS)
@@ -367,7 +376,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         request_id=public_id, text=text, token_ids=ids, first_index=first
                     )
                     start = first + len(ids)
+                    if not call.first_token_at:
+                        call.first_token_at = time.monotonic()
+                        if not call.resumed:
+                            ttft = call.first_token_at - call.started
+                            metrics.TTFT.labels(call.priority).observe(ttft)
                     call.emitted += len(ids)
+                    metrics.OUTPUT_TOKENS.inc(len(ids))
                 if "final" in fields:
                     call.finish = json.loads(fields["final"]).get("finish_reason", "")
                     yield self._final_chunk(

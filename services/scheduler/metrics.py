@@ -37,3 +37,8 @@ RECLAIMED = Counter(
     "specserve_scheduler_reclaimed_total",
     "Queue entries taken over from a placement consumer that went quiet (XAUTOCLAIM).",
 )
+LIVE = Gauge(
+    "specserve_scheduler_live_members",
+    "Registered members with a fresh heartbeat, by kind (verifier, drafter).",
+    ["kind"],
+)

@@ -202,6 +202,8 @@ class Placer:
         """Requeues, with their progress, the running requests of verifiers whose registry
         entry has been gone (heartbeats missed) for the grace period."""
         live = {v["id"] for v in self.store.live_verifiers()}
+        metrics.LIVE.labels("verifier").set(len(live))
+        metrics.LIVE.labels("drafter").set(len(self.store.live("drafter")))
         now = time.monotonic()
         for vid in self.store.owners():
             if vid in live:

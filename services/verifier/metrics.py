@@ -62,3 +62,7 @@ HANDED_BACK = Counter(
     "specserve_verifier_handed_back_total",
     "Unfinished requests handed back to the queue on drain.",
 )
+ACCELERATOR_MEMORY = Gauge(
+    "specserve_verifier_accelerator_memory_bytes",
+    "Accelerator memory allocated by this process (0 on a CPU).",
+)

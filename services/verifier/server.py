@@ -163,6 +163,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         metrics.RUNNING.set(load["running"])
         metrics.KV_RESERVED.set(load["kv_reserved"])
         metrics.KV_CACHED.set(load["kv_cached"])
+        if torch.cuda.is_available():
+            metrics.ACCELERATOR_MEMORY.set(torch.cuda.memory_allocated())
         return {
             "address": address,
             "model": self.model_label,

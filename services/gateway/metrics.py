@@ -1,0 +1,25 @@
+"""The gateway's Prometheus metrics (served when `metrics_port` is set): what clients see."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter(
+    "specserve_gateway_requests_total",
+    "Generate calls by priority and how they ended (finish reason or gRPC status code).",
+    ["priority", "status"],
+)
+TTFT = Histogram(
+    "specserve_gateway_ttft_seconds",
+    "From the Generate call to its first token, as the client sees it.",
+    ["priority"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
+TPOT = Histogram(
+    "specserve_gateway_time_per_output_token_seconds",
+    "Mean time between output tokens of a request after its first.",
+    ["priority"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2),
+)
+OUTPUT_TOKENS = Counter("specserve_gateway_output_tokens_total", "Tokens streamed to clients.")
+OPEN_STREAMS = Gauge("specserve_gateway_open_streams", "Generate streams open now.")
