@@ -160,7 +160,7 @@ def referenced(exprs: list[str]) -> set[str]:
 
 def test_alert_rules_are_complete_and_the_operator_copy_matches():
     rules = yaml.safe_load((MONITORING / "alerts.yml").read_text())
-    operator = yaml.safe_load((K8S / "monitoring" / "prometheus-rule.yaml").read_text())
+    operator = yaml.safe_load((K8S / "optional" / "prometheus-rule.yaml").read_text())
     assert operator["kind"] == "PrometheusRule" and operator["spec"]["groups"] == rules["groups"]
     alerts = [r for g in rules["groups"] for r in g["rules"]]
     assert len(alerts) >= 6
@@ -178,3 +178,14 @@ def test_the_dashboard_shows_exported_metrics():
     assert len(dashboard["panels"]) >= 10 and all(exprs)
     missing = referenced(exprs) - exported_names()
     assert not missing, f"the dashboard uses metrics nobody exports: {missing}"
+
+
+def test_the_optional_ingress_validates_and_points_at_the_gateway(objects):
+    ingress = yaml.safe_load((K8S / "optional" / "ingress.yaml").read_text())
+    kubernetes_validate.validate(ingress, KUBERNETES_VERSION, strict=True)
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    gateway = next(
+        o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "gateway"
+    )
+    assert backend["name"] == "gateway"
+    assert backend["port"]["name"] in {p["name"] for p in gateway["spec"]["ports"]}
