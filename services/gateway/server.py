@@ -87,6 +87,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         )
         self._largest: tuple[float, tuple[int, int] | None] = (0.0, None)
         self.keys = KeyStore(store.r)
+        self.draining = False  # set on SIGTERM: streams cut by the drain are not cancellations
         self.audit = Audit(store.r, settings.audit_max_entries)
 
     # --- Generate ---------------------------------------------------------------------------
@@ -206,8 +207,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 self.keys.release(call.who, call.stream, unused)
             except redis.RedisError:
                 log.warning("quota release failed; the slot ages out")
-        if call.streaming and not call.finish:
-            self._cancel_quietly(call.rid)
+        if call.streaming and not call.finish and not self.draining:
+            self._cancel_quietly(call.rid)  # (streams cut by a drain are re-attached to)
         code = context.code() if hasattr(context, "code") else None
         status = call.finish or (code.name if code else "CANCELLED")
         record = call.record(status)
@@ -518,4 +519,8 @@ def build(settings: GatewaySettings):
     server.start()
     server.watch({"redis reachable": store.ping})
     log.info("gateway ready", extra={"port": server.port, "model": settings.model.label})
-    return server, lambda: None
+
+    def on_stop() -> None:
+        service.draining = True
+
+    return server, on_stop
