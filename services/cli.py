@@ -8,6 +8,7 @@ import os
 import sys
 
 from .common.settings import ConfigError, ServiceSettings
+from .plan import PRESETS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -126,6 +127,45 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if status.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from . import plan
+    from .common import models
+    from .common.settings import ModelRef
+
+    cache = ServiceSettings.load(args.config).model_cache_dir
+
+    def shape(ref: str | None):
+        if ref is None:
+            return None
+        if Path(ref).is_dir():
+            return plan.shape_from_dir(Path(ref))
+        name, _, version = ref.partition("@")
+        path, _ = models.resolve(ModelRef(name=name, version=version), cache)
+        return plan.shape_from_dir(path)
+
+    if args.device == "this-machine":
+        device = plan.measure_this_machine()
+    else:
+        device = plan.PRESETS[args.device]
+    load = plan.Load(
+        concurrency=args.concurrency,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        dtype=args.dtype,
+        acceptance=0.7 if args.acceptance is None else args.acceptance,
+        acceptance_source="assumed" if args.acceptance is None else "given",
+        target_tokens_per_s=args.target_tokens_per_s,
+    )
+    result = plan.plan(shape(args.model), shape(args.draft), device, load)
+    print(plan.render(result))
+    if args.out:
+        Path(args.out).write_text(plan.as_json(result))
+        print(f"written to {args.out}", file=sys.stderr)
+    return 0
+
+
 def _certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -205,6 +245,30 @@ def build_parser() -> argparse.ArgumentParser:
     kr = ksub.add_parser("revoke", help="revoke a key by its id")
     kr.add_argument("key_id", help="the id: the part after ssk_ in the key")
     k.set_defaults(func=_keys)
+
+    pl = sub.add_parser("plan", help="estimate the hardware a load needs (memory, replicas, speed)")
+    pl.add_argument(
+        "--model", default="qwen2.5-coder-1.5b-instruct@0.2.0", help="NAME@VERSION or a model dir"
+    )
+    pl.add_argument(
+        "--draft", default="qwen2.5-coder-0.5b-instruct@0.9.0", help="NAME@VERSION or a dir"
+    )
+    pl.add_argument(
+        "--device",
+        default="this-machine",
+        choices=["this-machine", *sorted(PRESETS)],
+        help="a preset, or this machine (its RAM, and its memory bandwidth measured now)",
+    )
+    pl.add_argument("--concurrency", type=int, default=8, help="streams at once")
+    pl.add_argument("--prompt-tokens", type=int, default=512)
+    pl.add_argument("--output-tokens", type=int, default=256)
+    pl.add_argument(
+        "--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "int8"]
+    )
+    pl.add_argument("--acceptance", type=float, help="per draft token (default: assumed 0.7)")
+    pl.add_argument("--target-tokens-per-s", type=float, default=0.0, help="per stream; 0: none")
+    pl.add_argument("--out", help="also write the plan as JSON here")
+    pl.set_defaults(func=_plan)
 
     h = sub.add_parser("health", help="check a service on this host (exit 0 if SERVING)")
     h.add_argument("service", choices=SERVICES)

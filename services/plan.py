@@ -1,0 +1,199 @@
+"""`specserve plan`: how much hardware a load needs, from the models' shapes and a device.
+
+Decoding is memory-bound: a step reads every weight once for the whole batch, and each
+sequence's KV cache. So the ceiling of one stream's decode speed is bandwidth / bytes read per
+step, and speculation multiplies the tokens a step yields by the expected accepted length at
+the cost of the draft model's own reads. Every figure is labelled: measured (read off this
+machine, a weights file, or a running verifier), given (a flag), or assumed (a preset or a
+default named here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+USABLE_MEMORY = 0.9  # of a device's memory; the rest is the framework's and activations'
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_bytes: float
+    bandwidth_bytes_s: float
+    count: int = 1
+    source: str = "assumed"  # "measured" for this machine
+
+
+PRESETS = {  # vendor datasheet figures (memory, bandwidth)
+    "h100-80gb": Device("h100-80gb", 80e9, 3.35e12),
+    "h200": Device("h200", 141e9, 4.8e12),
+    "a100-80gb": Device("a100-80gb", 80e9, 2.039e12),
+    "l4": Device("l4", 24e9, 300e9),
+    "a10g": Device("a10g", 24e9, 600e9),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the plan needs of a model: parameters and the KV cache's width."""
+
+    params: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    source: str  # where params came from
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+def shape_from_config(config: dict) -> Shape:
+    """Parameters of a Llama/Qwen2-style decoder computed from its config.json."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or hidden // heads
+    vocab, inter = config["vocab_size"], config["intermediate_size"]
+    bias = config.get("attention_bias", config.get("model_type") == "qwen2")
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = hidden * q + 2 * hidden * kv + q * hidden + (q + 2 * kv) * bias
+    per_layer = attention + 3 * hidden * inter + 2 * hidden
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    params = layers * per_layer + embeddings + hidden
+    return Shape(params, layers, kv_heads, head_dim, "computed from config.json")
+
+
+def shape_from_dir(path: Path) -> Shape:
+    """A model directory's shape; parameters counted from its safetensors headers if there."""
+    shape = shape_from_config(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return shape
+    params = 0
+    for file in files:
+        with file.open("rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        params += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return Shape(params, shape.layers, shape.kv_heads, shape.head_dim, "measured: weights file")
+
+
+def measure_this_machine(sample_bytes: int = 1 << 30) -> Device:
+    """This machine: its RAM, and its memory bandwidth measured by copying a tensor larger
+    than any cache with every core (bytes read + written per second, best of 5)."""
+    import torch
+
+    memory = 0.0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            memory = float(line.split()[1]) * 1024
+    src = torch.ones(sample_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(5):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return Device("this-machine", memory, 2 * sample_bytes / best, 1, "measured")
+
+
+def expected_tokens(acceptance: float, depth: int) -> float:
+    """Tokens one step yields with a chain of `depth` drafts, each accepted with probability
+    `acceptance` given the ones before it: 1 + a + a^2 + ... + a^depth."""
+    return sum(acceptance**i for i in range(depth + 1))
+
+
+@dataclass
+class Load:
+    concurrency: int
+    prompt_tokens: int
+    output_tokens: int
+    dtype: str = "bfloat16"
+    acceptance: float = 0.7  # per draft token
+    acceptance_source: str = "assumed"
+    target_tokens_per_s: float = 0.0  # per stream; 0: none
+    max_batch: int = 64
+
+
+def plan(target: Shape, draft: Shape | None, device: Device, load: Load) -> dict:
+    """The plan as a dict of figures, each {value, source}."""
+    b = DTYPE_BYTES[load.dtype]
+    weights = target.params * b
+    kv_token = target.kv_bytes_per_token(b)
+    context = load.prompt_tokens + load.output_tokens
+    kv_sequence = kv_token * context
+    usable = device.memory_bytes * USABLE_MEMORY
+    devices_for_weights = math.ceil(weights / usable)
+    fits = devices_for_weights == 1
+    per_verifier = min(load.max_batch, int((usable - weights) // kv_sequence)) if fits else 0
+    verifiers = math.ceil(load.concurrency / per_verifier) if per_verifier > 0 else None
+    batch = min(per_verifier, math.ceil(load.concurrency / verifiers)) if verifiers else 0
+    mean_context = load.prompt_tokens + load.output_tokens / 2
+
+    def step_seconds(batch_size: int) -> float:
+        return (weights + batch_size * mean_context * kv_token) / device.bandwidth_bytes_s
+
+    out = {
+        "target_params": (target.params, target.source),
+        "weight_bytes": (weights, "computed"),
+        "kv_bytes_per_token": (kv_token, "computed"),
+        "kv_bytes_per_sequence": (kv_sequence, "computed"),
+        "kv_bytes_for_the_load": (kv_sequence * load.concurrency, "computed"),
+        "device": (device.name, device.source),
+        "device_memory_bytes": (device.memory_bytes, device.source),
+        "device_bandwidth_bytes_s": (device.bandwidth_bytes_s, device.source),
+        "fits_one_device": (fits, "computed"),
+        "devices_per_verifier_needed": (devices_for_weights, "computed"),
+        "sequences_per_verifier": (per_verifier, "computed"),
+        "verifier_replicas": (verifiers, "computed"),
+        "devices": ((verifiers or 0) * devices_for_weights, "computed"),
+        "plain_decode_ceiling_tokens_s_per_stream": (1 / step_seconds(1), "computed"),
+        "plain_decode_tokens_s_per_stream_at_batch": (
+            1 / step_seconds(max(1, batch)),
+            "computed",
+        ),
+        "acceptance_per_draft_token": (load.acceptance, load.acceptance_source),
+    }
+    if draft is not None:
+        draft_step = draft.params * b / device.bandwidth_bytes_s
+        target_step = step_seconds(max(1, batch))
+        best = max(
+            range(0, 9),
+            key=lambda k: expected_tokens(load.acceptance, k) / (target_step + k * draft_step),
+        )
+        speedup = (
+            expected_tokens(load.acceptance, best) * target_step / (target_step + best * draft_step)
+        )
+        busy = best * draft_step / (target_step + best * draft_step)
+        out |= {
+            "draft_params": (draft.params, draft.source),
+            "draft_depth": (best, "computed"),
+            "speculative_speedup": (speedup, "computed"),
+            "speculative_tokens_s_per_stream": (speedup / target_step, "computed"),
+            "drafter_replicas": (math.ceil((verifiers or 0) * busy), "computed"),
+        }
+    if load.target_tokens_per_s:
+        best_rate = out.get(
+            "speculative_tokens_s_per_stream", out["plain_decode_tokens_s_per_stream_at_batch"]
+        )
+        out["meets_target_tokens_s"] = (best_rate[0] >= load.target_tokens_per_s, "computed")
+    return {k: {"value": v, "source": s} for k, (v, s) in out.items()}
+
+
+def render(result: dict) -> str:
+    rows = []
+    for name, item in result.items():
+        value = item["value"]
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        rows.append(f"{name:44} {value!s:>22}  {item['source']}")
+    return "\n".join(rows)
+
+
+def as_json(result: dict) -> str:
+    return json.dumps(result, indent=2, default=lambda o: asdict(o))

@@ -1,0 +1,122 @@
+"""`specserve plan` against numbers computed by hand, and against a decode measured here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import default_target_dir
+from specserve.common import models
+from specserve.plan import (
+    PRESETS,
+    Load,
+    expected_tokens,
+    measure_this_machine,
+    plan,
+    shape_from_config,
+    shape_from_dir,
+)
+
+LLAMA_70B = {  # Llama 3 70B's config.json (the fields the plan reads)
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "intermediate_size": 28672,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "model_type": "llama",
+}
+
+
+def value(result: dict, name: str):
+    return result[name]["value"]
+
+
+def test_a_70b_model_by_hand():
+    shape = shape_from_config(LLAMA_70B)
+    # embeddings + lm_head 2 * 128256 * 8192; per layer q, o 8192^2 each, k, v 8192 * 1024
+    # each, MLP 3 * 8192 * 28672, two norms; 80 layers; the final norm.
+    per_layer = 2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192
+    assert shape.params == 2 * 128256 * 8192 + 80 * per_layer + 8192 == 70_553_706_496
+    assert shape.kv_bytes_per_token(2) == 2 * 80 * 8 * 128 * 2 == 327_680
+    load = Load(concurrency=32, prompt_tokens=2048, output_tokens=512)
+    result = plan(shape, None, PRESETS["h200"], load)
+    assert value(result, "weight_bytes") == 141_107_412_992
+    assert value(result, "fits_one_device") is False  # 141 GB of weights > 90% of 141 GB
+    assert value(result, "devices_per_verifier_needed") == 2
+    assert value(result, "kv_bytes_for_the_load") == 32 * 2560 * 327_680
+
+
+def test_the_default_pair_by_hand():
+    target = shape_from_dir(default_target_dir())
+    assert target.kv_bytes_per_token(2) == 2 * 28 * 2 * 128 * 2 == 28_672
+    assert target.source.startswith("measured")
+    computed = shape_from_config(json.loads((default_target_dir() / "config.json").read_text()))
+    assert abs(computed.params - target.params) / target.params < 1e-3
+    device = PRESETS["h100-80gb"]
+    load = Load(concurrency=16, prompt_tokens=1000, output_tokens=200, acceptance=0.5)
+    result = plan(target, target, device, load)
+    weights = target.params * 2
+    # a step at batch 1 reads the weights and one sequence's KV at the mean context (1100)
+    ceiling = device.bandwidth_bytes_s / (weights + 1100 * 28_672)
+    assert value(result, "plain_decode_ceiling_tokens_s_per_stream") == pytest.approx(ceiling)
+    per_verifier = (80e9 * 0.9 - weights) // (1200 * 28_672)
+    assert value(result, "sequences_per_verifier") == min(64, per_verifier)
+    assert value(result, "verifier_replicas") == 1
+    assert expected_tokens(0.5, 3) == 1.875
+    # a draft as large as the target never pays: depth 0, no speedup
+    assert value(result, "draft_depth") == 0 and value(result, "speculative_speedup") == 1
+
+
+def test_the_ceiling_bounds_a_decode_measured_here():
+    path = default_target_dir()
+    model = models.load_model(path, "cpu", "bfloat16")
+    ids = torch.tensor([[151644, 872, 198, 750, 16326]])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, do_sample=False)  # warm up
+        started = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        measured = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - started)
+    result = plan(shape_from_dir(path), None, measure_this_machine(), Load(1, ids.shape[1], 24))
+    ceiling = value(result, "plain_decode_ceiling_tokens_s_per_stream")
+    print(f"\nplain decode here: measured {measured:.2f} tokens/s, ceiling {ceiling:.2f} tokens/s")
+    assert 0 < measured <= ceiling
+
+
+def test_the_command_prints_a_table_and_writes_json(tmp_path):
+    out = tmp_path / "plan.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specserve.cli",
+            "plan",
+            "--device",
+            "h200",
+            "--acceptance",
+            "0.6",
+            "--concurrency",
+            "64",
+            "--target-tokens-per-s",
+            "50",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "verifier_replicas" in run.stdout and "speculative_speedup" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["acceptance_per_draft_token"] == {"value": 0.6, "source": "given"}
+    assert result["device_bandwidth_bytes_s"]["source"] == "assumed"
+    assert result["target_params"]["source"] == "measured: weights file"
+    assert result["speculative_speedup"]["value"] > 1
+    assert isinstance(result["meets_target_tokens_s"]["value"], bool)
