@@ -166,6 +166,12 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import run
+
+    return run(args.config, {"gateway": args.gateway, "scheduler": args.scheduler})
+
+
 def _certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -269,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--target-tokens-per-s", type=float, default=0.0, help="per stream; 0: none")
     pl.add_argument("--out", help="also write the plan as JSON here")
     pl.set_defaults(func=_plan)
+
+    d = sub.add_parser(
+        "doctor", help="check this machine and the cluster its config names (exit 1 on a fail)"
+    )
+    d.add_argument("--gateway", help="gateway host:port (default: this host, config port)")
+    d.add_argument("--scheduler", help="scheduler host:port (default: the gateway's config)")
+    d.set_defaults(func=_doctor)
 
     h = sub.add_parser("health", help="check a service on this host (exit 0 if SERVING)")
     h.add_argument("service", choices=SERVICES)

@@ -1,0 +1,235 @@
+"""`specserve doctor`: is this machine, and the cluster its config names, ready to serve?
+
+Each check prints one line, ok / warn / fail, with what to do about anything not ok. The exit
+code is 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from .common import models, tls
+from .common.settings import SETTINGS_BY_SERVICE, ConfigError, ServiceSettings
+from .common.store import RequestStore
+
+PACKAGES = ("torch", "transformers", "grpcio", "redis", "protobuf", "opentelemetry-sdk")
+CERT_WARN_DAYS = 30
+
+
+@dataclass
+class Finding:
+    level: str  # ok | warn | fail
+    check: str
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.level:4}  {self.check:28} {self.detail}"
+
+
+def run(
+    config_path: str | None,
+    addresses: dict[str, str] | None = None,
+    out: Callable[[str], None] = print,
+) -> int:
+    """Prints every finding; 1 if any failed. `addresses` overrides where the gateway and the
+    scheduler are dialled (verifiers and drafters are found in the registry)."""
+    findings = []
+    for finding in checks(config_path, addresses or {}):
+        findings.append(finding)
+        out(finding.line())
+    failed = sum(f.level == "fail" for f in findings)
+    warned = sum(f.level == "warn" for f in findings)
+    out(f"\n{len(findings)} checks: {failed} failed, {warned} warnings")
+    return 1 if failed else 0
+
+
+def checks(config_path: str | None, addresses: dict[str, str]) -> Iterator[Finding]:
+    yield Finding("ok", "python", sys.version.split()[0])
+    for package in PACKAGES:
+        try:
+            yield Finding("ok", f"package {package}", importlib.metadata.version(package))
+        except importlib.metadata.PackageNotFoundError:
+            yield Finding("fail", f"package {package}", "missing: run `make install`")
+    try:
+        settings = {name: cls.load(config_path) for name, cls in SETTINGS_BY_SERVICE.items()}
+    except ConfigError as e:
+        yield Finding("fail", "config", f"{e}")
+        return
+    yield Finding("ok", "config", f"{config_path or 'defaults'}: every service's settings load")
+    yield from accelerators(settings["verifier"])
+    yield from model_files(settings)
+    yield from certificates(settings)
+    yield from cluster(settings, addresses)
+
+
+def accelerators(verifier) -> Iterator[Finding]:
+    import torch
+
+    if not torch.cuda.is_available():
+        if verifier.device == "cuda":
+            yield Finding("fail", "accelerators", "none visible, and the verifier wants cuda")
+        else:
+            yield Finding("ok", "accelerators", "none visible (the verifier runs on the CPU)")
+        return
+    count = torch.cuda.device_count()
+    for i in range(count):
+        free, total = torch.cuda.mem_get_info(i)
+        name = torch.cuda.get_device_name(i)
+        yield Finding("ok", f"gpu {i}", f"{name}, {free / 1e9:.1f} of {total / 1e9:.1f} GB free")
+    if count > 1:
+        peers = all(
+            torch.cuda.can_device_access_peer(i, j)
+            for i in range(count)
+            for j in range(count)
+            if i != j
+        )
+        yield Finding(
+            "ok" if peers else "warn",
+            "gpu peer access",
+            "all pairs"
+            if peers
+            else "some pairs cannot reach each other directly (slower multi-GPU)",
+        )
+
+
+def free_memory_bytes(device: str) -> float:
+    if device == "cuda":
+        import torch
+
+        return float(torch.cuda.mem_get_info()[0])
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return float(line.split()[1]) * 1024
+    return 0.0
+
+
+def model_files(settings: dict[str, ServiceSettings]) -> Iterator[Finding]:
+    from .plan import DTYPE_BYTES, shape_from_dir
+
+    verifier, drafter = settings["verifier"], settings["drafter"]
+    wanted = [("target", verifier.model, verifier.dtype)]
+    if drafter.proposer != "ngram" and not drafter.draft_model_path:
+        wanted.append(("draft", drafter.draft_model, drafter.dtype))
+    need = 0.0
+    for role, ref, dtype in wanted:
+        try:
+            path, manifest = models.resolve(ref, verifier.model_cache_dir)
+        except models.ModelError as e:
+            yield Finding("fail", f"{role} model", f"{e}")
+            continue
+        sha = manifest.get("sha256", "")[:16]
+        yield Finding("ok", f"{role} model", f"{ref.label} at {path} (sha256 {sha}...)")
+        need += shape_from_dir(path).params * DTYPE_BYTES.get(dtype, 2)
+    if need:
+        free = free_memory_bytes(verifier.device)
+        level = "ok" if free > 1.2 * need else "warn" if free > need else "fail"
+        fix = "" if level == "ok" else ": lower dtype, or run the drafter elsewhere"
+        yield Finding(
+            level,
+            "memory for the models",
+            f"{need / 1e9:.1f} GB of weights, {free / 1e9:.1f} GB free on {verifier.device}{fix}",
+        )
+
+
+def certificates(settings: dict[str, ServiceSettings]) -> Iterator[Finding]:
+    from cryptography import x509
+
+    seen = set()
+    for name, s in settings.items():
+        if s.insecure:
+            yield Finding("warn", f"tls {name}", "insecure: true (plaintext): development only")
+            continue
+        if not (s.tls_ca_file and s.tls_cert_file and s.tls_key_file):
+            fix = "set tls_ca_file, tls_cert_file and tls_key_file, or insecure: true (dev)"
+            yield Finding("fail", f"tls {name}", f"no certificates: {fix}")
+            continue
+        for path in (s.tls_ca_file, s.tls_cert_file):
+            if not path or path in seen:
+                continue
+            seen.add(path)
+            try:
+                cert = x509.load_pem_x509_certificate(Path(path).read_bytes())
+            except (OSError, ValueError) as e:
+                yield Finding("fail", f"tls {name}", f"cannot read {path}: {e}")
+                continue
+            left = cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
+            level = "fail" if left.days < 0 else "warn" if left.days < CERT_WARN_DAYS else "ok"
+            yield Finding(
+                level,
+                f"certificate {Path(path).name}",
+                f"expires in {left.days} days"
+                + ("" if level == "ok" else ": renew it (specserve certs dev for dev)"),
+            )
+
+
+def cluster(settings: dict[str, ServiceSettings], addresses: dict[str, str]) -> Iterator[Finding]:
+    common = settings["scheduler"]
+    store = RequestStore.from_url(common.redis_url)
+    if not store.ping():
+        yield Finding("fail", "redis", "unreachable: start it, or fix redis_url")
+        return
+    try:
+        aof = store.r.config_get("appendonly").get("appendonly", "?")
+    except redis.RedisError:
+        aof = "?"  # CONFIG may be disabled
+    level = "ok" if aof == "yes" else "warn"
+    yield Finding(
+        level,
+        "redis",
+        f"reachable; appendonly={aof}"
+        + ("" if aof == "yes" else ": without AOF a Redis restart loses every request"),
+    )
+    seconds, micros = store.r.time()
+    skew = seconds + micros / 1e6 - time.time()
+    level = "ok" if abs(skew) < 1 else "warn"
+    yield Finding(
+        level,
+        "clock skew to redis",
+        f"{skew * 1000:+.0f} ms"
+        + ("" if level == "ok" else ": deadlines need synchronised clocks (NTP)"),
+    )
+    gateway, scheduler = settings["gateway"], settings["scheduler"]
+    targets = [
+        ("gateway", addresses.get("gateway") or f"127.0.0.1:{gateway.port}"),
+        ("scheduler", addresses.get("scheduler") or gateway.scheduler_address),
+    ]
+    targets += [(f"verifier {v['id']}", v["address"]) for v in store.live("verifier")]
+    targets += [(f"drafter {d['id']}", d["address"]) for d in store.live("drafter")]
+    try:
+        tls.configure(scheduler)
+    except ConfigError as e:
+        yield Finding("fail", "health", f"cannot dial the services: {e}")
+        return
+    for name, address in targets:
+        yield health(name, address)
+    if not store.live("verifier"):
+        yield Finding("fail", "verifiers", "none registered: nothing can be generated")
+
+
+def health(name: str, address: str) -> Finding:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with tls.channel(address) as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=3
+            )
+        except grpc.RpcError as e:
+            return Finding("fail", f"health {name}", f"{address}: {e.code().name}")
+    serving = status.status == health_pb2.HealthCheckResponse.SERVING
+    state = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+    return Finding(
+        "ok" if serving else "fail",
+        f"health {name}",
+        f"{address}: {state}"
+        + ("" if serving else ": see its log (Redis reachable? model loaded?)"),
+    )
