@@ -149,13 +149,18 @@ def _plan(args: argparse.Namespace) -> int:
         device = plan.measure_this_machine()
     else:
         device = plan.PRESETS[args.device]
+    acceptance, source = 0.7, "assumed"
+    if args.acceptance is not None:
+        acceptance, source = args.acceptance, "given"
+    elif args.metrics_url:
+        acceptance, source = plan.measured_acceptance(args.metrics_url), "measured"
     load = plan.Load(
         concurrency=args.concurrency,
         prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens,
         dtype=args.dtype,
-        acceptance=0.7 if args.acceptance is None else args.acceptance,
-        acceptance_source="assumed" if args.acceptance is None else "given",
+        acceptance=acceptance,
+        acceptance_source=source,
         target_tokens_per_s=args.target_tokens_per_s,
     )
     result = plan.plan(shape(args.model), shape(args.draft), device, load)
@@ -272,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "int8"]
     )
     pl.add_argument("--acceptance", type=float, help="per draft token (default: assumed 0.7)")
+    pl.add_argument(
+        "--metrics-url", help="a running verifier's /metrics: its measured acceptance is used"
+    )
     pl.add_argument("--target-tokens-per-s", type=float, default=0.0, help="per stream; 0: none")
     pl.add_argument("--out", help="also write the plan as JSON here")
     pl.set_defaults(func=_plan)

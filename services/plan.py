@@ -14,7 +14,7 @@ import json
 import math
 import struct
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 USABLE_MEMORY = 0.9  # of a device's memory; the rest is the framework's and activations'
@@ -196,4 +196,23 @@ def render(result: dict) -> str:
 
 
 def as_json(result: dict) -> str:
-    return json.dumps(result, indent=2, default=lambda o: asdict(o))
+    return json.dumps(result, indent=2)
+
+
+def measured_acceptance(metrics_url: str) -> float:
+    """Accepted / drafted tokens so far, from a verifier's /metrics page."""
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in (
+            "specserve_verifier_accepted_tokens_total",
+            "specserve_verifier_drafted_tokens_total",
+        ):
+            values[name] = float(value)
+    drafted = values.get("specserve_verifier_drafted_tokens_total", 0.0)
+    if not drafted:
+        raise ValueError(f"{metrics_url}: the verifier has drafted nothing yet")
+    return values.get("specserve_verifier_accepted_tokens_total", 0.0) / drafted

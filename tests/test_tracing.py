@@ -15,6 +15,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from conftest import cluster_config
 from helpers import generate, request, scrape
 from specserve.local_cluster import LocalCluster
+from specserve.plan import measured_acceptance
 from specserve.v1 import generation_pb2_grpc
 
 PROMPT = "def pangolin_checksum(values):"  # must be in no span attribute
@@ -172,3 +173,15 @@ def test_each_service_lists_its_metrics(traced):
     assert gateway["specserve_gateway_output_tokens_total"] >= 4
     scheduler = scrape(cluster.procs["scheduler"].metrics_port)
     assert scheduler['specserve_scheduler_live_members{kind="verifier"}'] == 1
+
+
+def test_the_planner_reads_acceptance_off_a_running_verifier(traced):
+    cluster, _ = traced
+    port = cluster.procs["verifier"].metrics_port
+    page = scrape(port)
+    measured = measured_acceptance(f"http://127.0.0.1:{port}/metrics")
+    accepted = page["specserve_verifier_accepted_tokens_total"]
+    assert measured == accepted / page["specserve_verifier_drafted_tokens_total"]
+    assert 0 <= measured <= 1
+    info = [k for k in page if k.startswith("specserve_verifier_model_info{")]
+    assert len(info) == 1 and 'sha256="' in info[0] and page[info[0]] == 1

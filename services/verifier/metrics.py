@@ -66,3 +66,8 @@ ACCELERATOR_MEMORY = Gauge(
     "specserve_verifier_accelerator_memory_bytes",
     "Accelerator memory allocated by this process (0 on a CPU).",
 )
+MODEL = Gauge(
+    "specserve_verifier_model_info",
+    "The target model this verifier serves (always 1; the labels say which).",
+    ["model", "sha256"],
+)

@@ -203,6 +203,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     flat = FlatModel(model)
     budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)
     metrics.KV_BUDGET.set(budget)
+    metrics.MODEL.labels(settings.model.label, manifest.get("sha256", "")).set(1)
     engine = Engine(
         ModelRunner(flat),
         speculator,
