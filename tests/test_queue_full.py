@@ -45,9 +45,12 @@ def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "queue is full" in err.value.details()
         assert ("retry-after-ms", "1000") in (err.value.trailing_metadata() or ())
-        metrics = scrape(cluster.procs["scheduler"].metrics_port)
-        assert metrics['specserve_scheduler_rejected_total{priority="interactive"}'] == 1
-        assert metrics['specserve_scheduler_queue_depth{priority="interactive"}'] == 2
+        port = cluster.procs["scheduler"].metrics_port
+        assert scrape(port)['specserve_scheduler_rejected_total{priority="interactive"}'] == 1
+        deadline = time.monotonic() + 5  # the placement loop refreshes the gauge (every 50 ms)
+        while scrape(port)['specserve_scheduler_queue_depth{priority="interactive"}'] != 2:
+            assert time.monotonic() < deadline, "the queue depth gauge never showed 2"
+            time.sleep(0.05)
 
         for i, call in enumerate(queued):  # cancelling a queued request ends its stream
             assert stub.Cancel(
