@@ -191,8 +191,9 @@ def test_tokens_per_minute_count_prompt_and_output(secure, keys):
     key = keys.create("tokens", "standard", Tier(tokens_per_minute=60))
     err = rpc_error(lambda: generate(gw, key, prompt="x", max_tokens=100))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_tokens" in err.details()
-    generate(gw, key, prompt="x", max_tokens=40)  # reserves 41, uses what it generates
-    err = rpc_error(lambda: generate(gw, key, prompt="x", max_tokens=40))
+    prompt = list(range(100, 145))  # 45 prompt tokens: they count whatever is generated
+    generate(gw, key, prompt_ids=prompt, max_tokens=5)  # takes 50 of 60
+    err = rpc_error(lambda: generate(gw, key, prompt_ids=prompt, max_tokens=5))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens per minute" in err.details()
 
 
