@@ -105,26 +105,15 @@ def _keys(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     """Exit 0 if the service on this host answers SERVING (the k8s probe: TLS-aware, which
     the kubelet's own gRPC probe is not)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     from .common import tls
     from .common.settings import SETTINGS_BY_SERVICE
+    from .doctor import health
 
     settings = SETTINGS_BY_SERVICE[args.service].load(args.config)
     tls.configure(settings)
-    port = args.port or settings.port
-    with tls.channel(f"127.0.0.1:{port}") as channel:
-        try:
-            status = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=args.timeout
-            )
-        except grpc.RpcError as e:
-            print(f"{args.service}: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
-    print(f"{args.service}: {name}")
-    return 0 if status.status == health_pb2.HealthCheckResponse.SERVING else 1
+    finding = health(args.service, f"127.0.0.1:{args.port or settings.port}", args.timeout)
+    print(finding.line())
+    return 0 if finding.level == "ok" else 1
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -214,14 +214,14 @@ def cluster(settings: dict[str, ServiceSettings], addresses: dict[str, str]) -> 
         yield Finding("fail", "verifiers", "none registered: nothing can be generated")
 
 
-def health(name: str, address: str) -> Finding:
+def health(name: str, address: str, timeout: float = 3.0) -> Finding:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with tls.channel(address) as channel:
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=3
+                health_pb2.HealthCheckRequest(), timeout=timeout
             )
         except grpc.RpcError as e:
             return Finding("fail", f"health {name}", f"{address}: {e.code().name}")
