@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 
+from .common.rollout import CANARY
 from .common.settings import ConfigError, ServiceSettings
 from .plan import PRESETS
 
@@ -117,8 +120,6 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from . import plan
     from .common import models
     from .common.settings import ModelRef
@@ -166,9 +167,57 @@ def _doctor(args: argparse.Namespace) -> int:
     return run(args.config, {"gateway": args.gateway, "scheduler": args.scheduler})
 
 
-def _certs(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _rollout(args: argparse.Namespace) -> int:
+    from . import rollout
+    from .common import models, tls
+    from .common.settings import GatewaySettings
+    from .common.store import RequestStore
+    from .v1 import scheduler_pb2_grpc
 
+    settings = GatewaySettings.load(args.config)
+    store = RequestStore.from_url(args.redis_url or settings.redis_url)
+    if not store.ping():
+        print("error: Redis is unreachable (check redis_url; `specserve doctor`)", file=sys.stderr)
+        return 1
+    if args.rollout_cmd == "status":
+        report = rollout.status(store)
+        print(json.dumps(report, indent=2) if args.json else rollout.render_status(report))
+    elif args.rollout_cmd == "canary":
+        old = store.set_canary_share(args.share)
+        print(f"canary share {old:.0%} -> {args.share:.0%} of new requests")
+        if CANARY not in rollout.pools(store):
+            print("note: no canary verifier is live yet; the share applies once one is")
+    elif args.rollout_cmd == "rollback":
+        return rollout.rollback(store, args.wait)
+    else:
+        tls.configure(settings)
+        path, _ = models.resolve(settings.model, settings.model_cache_dir)
+        tokenizer = models.load_tokenizer(path)
+        with tls.channel(args.scheduler or settings.scheduler_address) as channel:
+            results = rollout.probe(
+                store,
+                scheduler_pb2_grpc.SchedulerStub(channel),
+                tokenizer.encode,
+                max_tokens=args.max_tokens,
+            )
+        print(rollout.render_probe(results))
+        if args.out:
+            Path(args.out).write_text(rollout.probe_json(results))
+        exact = rollout.agreement(results)["exact"]
+        if args.min_agreement is not None and exact < args.min_agreement:
+            print(f"agreement {exact:.0%} is below {args.min_agreement:.0%}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share is within 0 and 1, got {text}")
+    return value
+
+
+def _certs(args: argparse.Namespace) -> int:
     from .common.tls import make_dev_certs
 
     paths = make_dev_certs(Path(args.out), days=args.days)
@@ -285,6 +334,38 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--port", type=int, help="its port (default from config)")
     h.add_argument("--timeout", type=float, default=3.0)
     h.set_defaults(func=_health)
+
+    r = sub.add_parser(
+        "rollout",
+        help="canary rollout: status, share, greedy probes, rollback",
+        description="Two verifier pools (config key `pool`: stable, canary) behind one "
+        "scheduler. The canary gets the share set here (live, for every scheduler); a "
+        "request finishes on the model version it started on.",
+    )
+    r.add_argument("--redis-url", help="default from config")
+    rsub = r.add_subparsers(dest="rollout_cmd", required=True)
+    rs = rsub.add_parser("status", help="pools, their versions and configs, the share")
+    rs.add_argument("--json", action="store_true")
+    rc = rsub.add_parser("canary", help="set the share of new requests the canary pool gets")
+    rc.add_argument("share", type=_share, help="0 to 1 (0.1: one request in ten; 1: promote)")
+    rr = rsub.add_parser(
+        "rollback", help="share 0: new requests go to stable; running ones finish on canary"
+    )
+    rr.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        help="wait up to this many seconds for the canary "
+        "pool to run nothing (exit 1 if it does not)",
+    )
+    rp = rsub.add_parser("probe", help="greedy outputs of both pools on a fixed prompt set")
+    rp.add_argument("--scheduler", help="scheduler host:port (default: the gateway's config)")
+    rp.add_argument("--max-tokens", type=int, default=16)
+    rp.add_argument("--out", help="also write the outputs and agreement as JSON here")
+    rp.add_argument(
+        "--min-agreement", type=_share, help="exit 1 if fewer probes than this agree exactly"
+    )
+    r.set_defaults(func=_rollout)
 
     c = sub.add_parser("certs", help="make TLS certificates")
     csub = c.add_subparsers(dest="certs_cmd", required=True)

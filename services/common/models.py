@@ -264,6 +264,28 @@ def list_models(cache_dir: str | Path) -> list[dict]:
     return rows
 
 
+def fingerprint(path: Path, manifest: dict) -> str:
+    """sha256 identifying a model's weights: the verified one of a catalog model, else one
+    computed over a local directory's config and weight files (in name order)."""
+    if manifest.get("sha256"):
+        return manifest["sha256"]
+    digest = hashlib.sha256()
+    files = [path / "config.json", *sorted(path.glob("*.safetensors")), *sorted(path.glob("*.bin"))]
+    for file in files:
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def served_version(ref: ModelRef, sha256: str) -> str:
+    """The version a stream's tokens are labelled with: name@version (or the directory's
+    name) and the weights' sha256 prefix. Equal strings mean identical greedy outputs."""
+    name = Path(ref.path).name if ref.path else f"{ref.name}@{ref.version}"
+    return f"{name}:{sha256[:12]}"
+
+
 def torch_dtype(name: str):
     import torch
 

@@ -207,6 +207,12 @@ class SchedulerSettings(ServiceSettings):
         gt=0,
         description="Queue entries another scheduler read and left idle this long are taken over.",
     )
+    version_wait_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long a requeued request waits for a verifier of the model version it "
+        "started on (its stream never mixes versions) before it fails.",
+    )
 
 
 class VerifierSettings(ServiceSettings):
@@ -219,6 +225,11 @@ class VerifierSettings(ServiceSettings):
         default=None, description="Address the scheduler dials; host:port if unset."
     )
     model: ModelRef = ModelRef()
+    pool: Literal["stable", "canary"] = Field(
+        default="stable",
+        description="Rollout pool; the canary gets the share of new requests that "
+        "`specserve rollout canary` sets (none until then).",
+    )
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     batch_size: int = Field(default=8, ge=1, description="Most sequences in the running batch.")

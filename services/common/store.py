@@ -2,10 +2,12 @@
 
 Keys (prefix `specserve:`):
   req:{id}        hash   spec (JSON), status, queue, entry_id, owner, cancel, generated,
-                         created_ms, admitted_ms, requeues, final (JSON)
-  out:{id}        stream one entry per step: first (absolute index), ids (comma list);
-                         the last entry has final (JSON). Only the owner appends, and only
-                         at index `generated`: a retried or stale write is dropped
+                         created_ms, admitted_ms, requeues, final (JSON), version and pool
+                         (of the verifier that claimed it last)
+  out:{id}        stream one entry per step: first (absolute index), ids (comma list),
+                         v (the model version that produced them); the last entry has
+                         final (JSON). Only the owner appends, and only at index
+                         `generated`: a retried or stale write is dropped
   queue:{class}   stream one entry per queued request (field rid); consumer group `placement`;
                          acked and deleted when the request ends or is requeued
   owned:{vid}     set    ids of the requests running on verifier vid
@@ -13,18 +15,23 @@ Keys (prefix `specserve:`):
   requeued:{class} list  "entry_id rid" of requests put back in the queue, for the scheduler
                          to place ahead of their class
   queued:{class}  int    requests of the class with status queued (the queue length limit)
-  verifier:{id}   hash   address, model, capacity, running, batch_capacity, batch_running,
-                         kv_budget, kv_reserved, kv_cached, max_seq_len (expires without heartbeats)
+  verifier:{id}   hash   address, model, version, pool, config, capacity, running,
+                         batch_capacity, batch_running, kv_budget, kv_reserved, kv_cached,
+                         max_seq_len (expires without heartbeats)
   verifiers       set    registered verifier ids
   drafter:{id}    hash   address (expires without heartbeats)
   drafters        set    registered drafter ids
   result:{hash}   hash   ids, final (JSON) of a finished deterministic request (result cache, TTL)
   session:{sid}   string id of the verifier whose prefix cache holds the session's last turn
+  rollout         hash   canary_share (of new requests placed on the canary pool),
+                         previous_share, updated_ms
 
 Status moves queued -> running -> finished | cancelled | failed | expired, or queued ->
 cancelled | expired (waited past its class timeout or its deadline). A running request whose
 verifier died or drained goes back to queued (requeue) with its progress kept in out:{id};
 its next verifier prefills prompt + the tokens generated so far and goes on from there.
+A request that has generated tokens is claimed only by a verifier of the model version that
+generated them: no stream mixes versions.
 Every write of a running request is fenced by owner: a verifier that lost a request (it was
 requeued while that verifier was thought dead) can no longer write to it.
 """
@@ -89,6 +96,7 @@ def owned_key(vid: str) -> str:
 
 
 OWNERS_KEY = f"{PREFIX}owners"
+ROLLOUT_KEY = f"{PREFIX}rollout"
 REQUEUED = f"{PREFIX}requeued:"
 
 
@@ -109,10 +117,15 @@ redis.call('INCR', KEYS[3])
 return {0, waiting}
 """
 
-# Moves a queued request to running on a verifier. Returns 1 if claimed, 0 if not queued.
+# Moves a queued request to running on verifier ARGV[1] (model version ARGV[5], pool
+# ARGV[6]). Returns 1 if claimed, 0 if not queued, 2 if it generated tokens on another version.
 _CLAIM = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'admitted_ms', ARGV[2])
+local version = redis.call('HGET', KEYS[1], 'version')
+if version and version ~= ARGV[5]
+   and tonumber(redis.call('HGET', KEYS[1], 'generated')) > 0 then return 2 end
+redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'admitted_ms', ARGV[2],
+           'version', ARGV[5], 'pool', ARGV[6])
 local counter = ARGV[3] .. redis.call('HGET', KEYS[1], 'queue')
 if tonumber(redis.call('GET', counter) or '0') > 0 then redis.call('DECR', counter) end
 redis.call('SADD', KEYS[2], ARGV[4])
@@ -120,9 +133,10 @@ redis.call('SADD', KEYS[3], ARGV[1])
 return 1
 """
 
-# One step of a running request, by its owner ARGV[1]: ids ARGV[3] (comma list, ARGV[4] of
-# them) from index ARGV[2]. Only the part past `generated` is appended: a retried write that
-# went through before appends nothing, one that went through in part appends the rest.
+# One step of a running request, by its owner ARGV[1] (model version ARGV[5]): ids ARGV[3]
+# (comma list, ARGV[4] of them) from index ARGV[2]. Only the part past `generated` is
+# appended: a retried write that went through before appends nothing, one that went through
+# in part appends the rest.
 # Returns {-1, 0} if the caller no longer owns the request (it must drop it), else
 # {cancel flag, generated}; the caller goes on from `generated` (after a gap, which only a
 # Redis that lost writes leaves, it resends from there).
@@ -135,7 +149,7 @@ if generated >= first and generated < first + n then
   local ids = {}
   for t in string.gmatch(ARGV[3], '[^,]+') do ids[#ids + 1] = t end
   redis.call('XADD', KEYS[2], '*', 'first', generated,
-             'ids', table.concat(ids, ',', generated - first + 1))
+             'ids', table.concat(ids, ',', generated - first + 1), 'v', ARGV[5])
   generated = first + n
   redis.call('HSET', KEYS[1], 'generated', generated)
 end
@@ -224,6 +238,8 @@ class RequestRecord:
     admitted_ms: int
     cancel: bool
     requeues: int = 0
+    version: str = ""  # model version of the verifier that claimed it last
+    pool: str = ""
 
 
 class RequestStore:
@@ -356,6 +372,26 @@ class RequestStore:
                 self.r.srem(members_key(kind), member)
         return out
 
+    def rollout(self) -> dict[str, float]:
+        """The rollout: canary_share (0 to 1) and the share before the last change."""
+        h = self.r.hgetall(ROLLOUT_KEY)
+        return {
+            "canary_share": float(h.get("canary_share", 0.0)),
+            "previous_share": float(h.get("previous_share", 0.0)),
+            "updated_ms": int(h.get("updated_ms", 0)),
+        }
+
+    def set_canary_share(self, share: float) -> float:
+        """Sets the share of new requests placed on the canary pool; returns the old one."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"canary share must be within [0, 1], got {share}")
+        old = self.rollout()["canary_share"]
+        self.r.hset(
+            ROLLOUT_KEY,
+            mapping={"canary_share": share, "previous_share": old, "updated_ms": now_ms()},
+        )
+        return old
+
     def session_owner(self, sid: str) -> str | None:
         """The verifier holding the session's cached prefix, if any."""
         return self.r.get(session_key(sid)) if sid else None
@@ -375,12 +411,14 @@ class RequestStore:
         self.r.srem(members_key(kind), member_id)
         self.r.delete(member_key(kind, member_id))
 
-    def claim(self, rid: str, vid: str, at_ms: int) -> bool:
-        """Moves a queued request to running on verifier `vid`, admitted at `at_ms`."""
-        return bool(
+    def claim(self, rid: str, vid: str, at_ms: int, version: str = "", pool: str = "") -> int:
+        """Moves a queued request to running on verifier `vid` (serving model `version` in
+        `pool`), admitted at `at_ms`. Returns 1 if claimed, 0 if it is not queued, 2 if it
+        generated tokens on another model version (it must finish there)."""
+        return int(
             self._claim(
                 keys=[req_key(rid), owned_key(vid), OWNERS_KEY],
-                args=[vid, at_ms, f"{PREFIX}queued:", rid],
+                args=[vid, at_ms, f"{PREFIX}queued:", rid, version, pool],
             )
         )
 
@@ -451,20 +489,23 @@ class RequestStore:
             admitted_ms=int(h.get("admitted_ms", 0) or 0),
             cancel=h.get("cancel") == "1",
             requeues=int(h.get("requeues", 0)),
+            version=h.get("version", ""),
+            pool=h.get("pool", ""),
         )
 
     def commit_step(
-        self, vid: str, steps: list[tuple[str, int, list[int]]]
+        self, vid: str, steps: list[tuple[str, int, list[int]]], version: str = ""
     ) -> list[tuple[int, int] | None]:
         """One round trip per step: for each running (rid, first_index, new ids) of verifier
-        `vid`, appends the ids to its output stream (see _COMMIT). Returns per request
-        (state, generated): state 1 if it was cancelled, -1 if `vid` no longer owns it
-        (requeued elsewhere), else 0; None where the write failed (write it again)."""
+        `vid` (serving model `version`), appends the ids to its output stream (see _COMMIT).
+        Returns per request (state, generated): state 1 if it was cancelled, -1 if `vid` no
+        longer owns it (requeued elsewhere), else 0; None where the write failed (write it
+        again)."""
         pipe = self.r.pipeline(transaction=False)
         for rid, first, ids in steps:
             self._commit(
                 keys=[req_key(rid), out_key(rid)],
-                args=[vid, first, ",".join(map(str, ids)), len(ids)],
+                args=[vid, first, ",".join(map(str, ids)), len(ids), version],
                 client=pipe,
             )
         results = pipe.execute(raise_on_error=False)

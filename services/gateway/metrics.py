@@ -6,20 +6,32 @@ from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter(
     "specserve_gateway_requests_total",
-    "Generate calls by priority and how they ended (finish reason or gRPC status code).",
-    ["priority", "status"],
+    "Generate calls by priority, how they ended (finish reason or gRPC status code) and the "
+    "rollout pool that served them (none: ended before it ran).",
+    ["priority", "status", "pool"],
 )
 TTFT = Histogram(
     "specserve_gateway_ttft_seconds",
     "From the Generate call to its first token, as the client sees it.",
-    ["priority"],
+    ["priority", "pool"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
 TPOT = Histogram(
     "specserve_gateway_time_per_output_token_seconds",
     "Mean time between output tokens of a request after its first.",
-    ["priority"],
+    ["priority", "pool"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2),
 )
 OUTPUT_TOKENS = Counter("specserve_gateway_output_tokens_total", "Tokens streamed to clients.")
+DRAFTED = Counter(
+    "specserve_gateway_drafted_tokens_total",
+    "Draft tokens proposed for finished requests, by rollout pool.",
+    ["pool"],
+)
+ACCEPTED = Counter(
+    "specserve_gateway_accepted_tokens_total",
+    "Draft tokens the target accepted for finished requests, by rollout pool "
+    "(acceptance = accepted / drafted).",
+    ["pool"],
+)
 OPEN_STREAMS = Gauge("specserve_gateway_open_streams", "Generate streams open now.")

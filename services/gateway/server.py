@@ -15,6 +15,7 @@ from opentelemetry import trace
 
 from ..common import models, telemetry
 from ..common.grpc_server import Server, retrying_channel
+from ..common.rollout import pool_shares
 from ..common.settings import GatewaySettings
 from ..common.store import RequestStore
 from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -77,7 +78,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.store = store
         self.scheduler = scheduler
         self.manifest = manifest
-        self.model_id = f"{settings.model.label}:{manifest.get('sha256', '')}"
+        # The version this gateway tokenizes for; only its results are cached.
+        self.model_version = models.served_version(settings.model, manifest["sha256"])
         self.limits = Limits(
             vocab_size=len(tokenizer),
             max_seq_len=settings.max_seq_len,
@@ -122,7 +124,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         name = common_pb2.PriorityClass.Name(submit.priority)
         call.priority = name.removeprefix("PRIORITY_CLASS_").lower()  # as the queues name it
         self._open_stream(call, context, new_request=True)
-        cache_key = result_cache_key(submit, self.model_id) if request.use_result_cache else None
+        cache_key = None
+        if request.use_result_cache:
+            cache_key = result_cache_key(submit, self.model_version)
         if cache_key and (hit := self._cached_result(cache_key)):
             yield from self._replay(call, *hit, list(submit.stop))
             return
@@ -144,8 +148,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         ids = []
         for chunk in self._stream(call, list(submit.stop), context):
             ids.extend(chunk.token_ids)
-            if cache_key and chunk.HasField("final"):
-                self._cache_result(cache_key, ids, chunk.final)
+            final = chunk.final if chunk.HasField("final") else None
+            if cache_key and final and final.model_version == self.model_version:
+                self._cache_result(cache_key, ids, final)
             yield chunk
 
     # --- who is calling, and what they may do -------------------------------------------------
@@ -213,10 +218,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         status = call.finish or (code.name if code else "CANCELLED")
         record = call.record(status)
         self.audit.write(record)
-        metrics.REQUESTS.labels(call.priority or "unknown", status).inc()
+        pool = call.pool or "none"
+        metrics.REQUESTS.labels(call.priority or "unknown", status, pool).inc()
+        if call.first_token_at and not call.resumed:
+            metrics.TTFT.labels(call.priority, pool).observe(call.first_token_at - call.started)
         if call.emitted > 1 and not call.resumed:
             per_token = (time.monotonic() - call.first_token_at) / (call.emitted - 1)
-            metrics.TPOT.labels(call.priority).observe(per_token)
+            metrics.TPOT.labels(call.priority, pool).observe(per_token)
         if call.streaming:
             metrics.OPEN_STREAMS.dec()
         call.span.set_attributes({k: v for k, v in record.items() if k != "client"})
@@ -245,7 +253,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         )
         trimmer = StopTrimmer(stop)
         yield generation_pb2.GenerateResponse(
-            request_id=rid, text=trimmer.push(detok.add(ids)), token_ids=ids, first_index=0
+            request_id=rid,
+            text=trimmer.push(detok.add(ids)),
+            token_ids=ids,
+            first_index=0,
+            model_version=final.get("model_version", ""),
         )
         info = json_format.ParseDict(final, generation_pb2.FinalInfo(), ignore_unknown_fields=True)
         info.timings.Clear()  # nothing ran
@@ -374,21 +386,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if ids:
                     text = trimmer.push(detok.add(ids))
                     yield generation_pb2.GenerateResponse(
-                        request_id=public_id, text=text, token_ids=ids, first_index=first
+                        request_id=public_id,
+                        text=text,
+                        token_ids=ids,
+                        first_index=first,
+                        model_version=fields.get("v", ""),
                     )
                     start = first + len(ids)
-                    if not call.first_token_at:
-                        call.first_token_at = time.monotonic()
-                        if not call.resumed:
-                            ttft = call.first_token_at - call.started
-                            metrics.TTFT.labels(call.priority).observe(ttft)
+                    call.first_token_at = call.first_token_at or time.monotonic()
                     call.emitted += len(ids)
                     metrics.OUTPUT_TOKENS.inc(len(ids))
                 if "final" in fields:
-                    call.finish = json.loads(fields["final"]).get("finish_reason", "")
+                    final = json.loads(fields["final"])
+                    call.finish = final.get("finish_reason", "")
+                    call.pool = final.get("pool", "")
                     yield self._final_chunk(
                         public_id,
-                        json.loads(fields["final"]),
+                        final,
                         trimmer.push(detok.flush()) + trimmer.flush(),
                         int(fields["first"]),
                         context,
@@ -404,8 +418,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if final.get("finish_reason") == "FINISH_REASON_DEADLINE":
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, error or "the deadline passed")
         info = json_format.ParseDict(final, generation_pb2.FinalInfo(), ignore_unknown_fields=True)
+        if info.pool:
+            metrics.DRAFTED.labels(info.pool).inc(info.speculation.drafted_tokens)
+            metrics.ACCEPTED.labels(info.pool).inc(info.speculation.accepted_tokens)
         return generation_pb2.GenerateResponse(
-            request_id=rid, text=text, first_index=first, final=info
+            request_id=rid,
+            text=text,
+            first_index=first,
+            final=info,
+            model_version=info.model_version,
         )
 
     def _cancel_quietly(self, rid: str) -> None:
@@ -445,11 +466,31 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             vocab_size=self.limits.vocab_size,
             max_seq_len=self.limits.max_seq_len,
             max_tokens_limit=self.limits.max_tokens_limit,
-            sha256=self.manifest.get("sha256", ""),
+            sha256=self.manifest["sha256"],
+            pools=self._served_pools(context),
         )
 
+    def _served_pools(self, context) -> list[generation_pb2.ServedPool]:
+        try:
+            verifiers, rollout = self.store.live_verifiers(), self.store.rollout()
+        except redis.RedisError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the registry is unavailable; retry")
+        pools: dict[str, list[dict]] = {}
+        for v in verifiers:
+            pools.setdefault(v.get("pool", "stable"), []).append(v)
+        shares = pool_shares(set(pools), rollout["canary_share"])
+        return [
+            generation_pb2.ServedPool(
+                pool=name,
+                model_versions=sorted({v.get("version", "") for v in members}),
+                verifiers=len(members),
+                share=shares.get(name, 0.0),
+            )
+            for name, members in sorted(pools.items())
+        ]
 
-def result_cache_key(submit: scheduler_pb2.SubmitRequest, model_id: str) -> str | None:
+
+def result_cache_key(submit: scheduler_pb2.SubmitRequest, model_version: str) -> str | None:
     """The result cache key of a deterministic request (greedy, or sampling with a seed);
     None for unseeded sampling, which is never cached. Speculation does not change a greedy
     output, so it is not part of a greedy key."""
@@ -458,7 +499,7 @@ def result_cache_key(submit: scheduler_pb2.SubmitRequest, model_id: str) -> str 
     if sampling.temperature > 0 and not seeded:
         return None
     parts = {
-        "model": model_id,
+        "model": model_version,
         "prompt": list(submit.prompt_ids),
         "max_tokens": submit.max_tokens,
         "stop": list(submit.stop),
@@ -496,6 +537,7 @@ def _handler(service: GenerationService) -> grpc.GenericRpcHandler:
 
 def build(settings: GatewaySettings):
     path, manifest = models.resolve(settings.model, settings.model_cache_dir)
+    manifest = {**manifest, "sha256": models.fingerprint(path, manifest)}
     tokenizer = models.load_tokenizer(path)
     store = RequestStore.from_url(settings.redis_url)
     store.wait_reachable()

@@ -17,7 +17,19 @@ EXPIRED = Counter(
     "Queued requests ended by their class timeout or deadline.",
     ["priority"],
 )
-PLACED = Counter("specserve_scheduler_placed_total", "Requests placed on a verifier.", ["priority"])
+PLACED = Counter(
+    "specserve_scheduler_placed_total",
+    "Requests placed on a verifier, by priority and rollout pool.",
+    ["priority", "pool"],
+)
+CANARY_SHARE = Gauge(
+    "specserve_scheduler_canary_share",
+    "Share of new requests placed on the canary pool (`specserve rollout`).",
+)
+PARKED = Gauge(
+    "specserve_scheduler_parked",
+    "Requeued requests waiting for a verifier of the model version they started on.",
+)
 SESSION_HITS = Counter(
     "specserve_scheduler_session_affinity_total",
     "Requests placed on the verifier holding their session's prefix.",

@@ -21,6 +21,8 @@ class VerifierLoad:
     kv_budget: int = 0
     kv_reserved: int = 0
     max_seq_len: int = 0
+    pool: str = "stable"
+    version: str = ""  # the model version it serves (models.served_version)
 
     @property
     def free_kv(self) -> int:
@@ -53,6 +55,8 @@ def parse_verifiers(rows: list[dict[str, str]]) -> list[VerifierLoad]:
             int(r.get("capacity", 0)),
             **{f: int(r.get(f, 0)) for f in fields},
             max_seq_len=int(r.get("max_seq_len", 0)),
+            pool=r.get("pool", "stable"),
+            version=r.get("version", ""),
         )
         for r in rows
         if "address" in r and r.get("draining") != "1"
@@ -67,14 +71,24 @@ class Want:
     prompt_tokens: int
     max_tokens: int
     session_owner: str | None = None  # verifier holding the session's cached prefix
+    pool: str | None = None  # only verifiers of this rollout pool
+    version: str | None = None  # only verifiers of this model version (it started there)
+
+    def eligible(self, loads: list[VerifierLoad]) -> list[VerifierLoad]:
+        """The verifiers of the pool and version asked for."""
+        return [
+            v for v in loads if self.pool in (None, v.pool) and self.version in (None, v.version)
+        ]
 
 
 def choose_verifier(loads: list[VerifierLoad], want: Want) -> VerifierLoad | None:
-    """The session's verifier if it holds the session's prefix and the request fits there;
-    else the least loaded that fits: most free KV budget (as a share), then fewest running.
-    None if it fits nowhere now."""
+    """Among the eligible verifiers (pool, version): the session's verifier if it holds the
+    session's prefix and the request fits there; else the least loaded that fits: most free
+    KV budget (as a share), then fewest running. None if it fits nowhere now."""
     fitting = [
-        v for v in loads if v.fits(want.priority, v.need(want.prompt_tokens, want.max_tokens))
+        v
+        for v in want.eligible(loads)
+        if v.fits(want.priority, v.need(want.prompt_tokens, want.max_tokens))
     ]
     for v in fitting:
         if v.verifier_id == want.session_owner:

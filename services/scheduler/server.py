@@ -14,6 +14,7 @@ from google.protobuf import json_format
 from ..common import telemetry
 from ..common.capacity import kv_fit_problem
 from ..common.grpc_server import Server, retrying_channel
+from ..common.rollout import POOLS, choose_pool
 from ..common.settings import SchedulerSettings
 from ..common.store import QUEUE_CLASSES, RequestStore, now_ms
 from ..v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -35,11 +36,11 @@ RECLAIM_PERIOD_SECONDS = 5.0
 EXPIRY_SCAN = 1000  # queue entries looked at per class and scan (running ones included)
 
 
-def ended_final(reason: str, prompt_tokens: int, error: str = "") -> dict:
-    """FinalInfo (JSON) of a request that ends before it ran."""
+def ended_final(reason: str, prompt_tokens: int, error: str = "", generated: int = 0) -> dict:
+    """FinalInfo (JSON) of a request that ends while queued (after `generated` tokens)."""
     return {
         "finish_reason": reason,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0},
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated},
         "error": error,
     }
 
@@ -85,6 +86,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         cls = CLASS_NAMES.get(request.priority)
         if cls is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "priority must be interactive or batch")
+        if request.pool and request.pool not in POOLS:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"pool must be one of {', '.join(POOLS)} or empty"
+            )
         if not request.request_id or not request.prompt_ids or request.max_tokens < 1:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -136,9 +141,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
 
 class Placer:
-    """Moves queued requests onto verifiers, interactive first (see `class_order`); ends
-    requests that waited past their class timeout or deadline; requeues the running requests
-    of verifiers that died; takes over queue entries another scheduler read and left."""
+    """Moves queued requests onto verifiers, interactive first (see `class_order`), a new
+    request into the rollout pool its id falls in and a requeued one back onto its model
+    version; ends requests that waited past their class timeout or deadline; requeues the
+    running requests of verifiers that died; takes over queue entries another scheduler read
+    and left."""
 
     def __init__(
         self,
@@ -159,6 +166,10 @@ class Placer:
         self.waiting: dict[str, deque[tuple[str, str]]] = {c: deque() for c in QUEUE_CLASSES}
         self.streak = 0  # interactive placements in a row while batch work waited
         self.missing: dict[str, float] = {}  # verifier id -> when its registry entry was gone
+        # Requeued requests whose model version no live verifier serves: request id ->
+        # (class, queue entry, version, since when). They wait aside: their class goes on.
+        self.parked: dict[str, tuple[str, tuple[str, str], str, float]] = {}
+        self.canary_share = 0.0
         self._next_expiry = 0.0
         self._next_reclaim = 0.0
         self.stop = threading.Event()
@@ -190,6 +201,7 @@ class Placer:
                     self.expire_waiting()
                     self.requeue_orphans()
                     self.take_requeued()
+                    self.unpark()
                     self._next_expiry = now + EXPIRY_PERIOD_SECONDS
                 placed = self.place_some()
             except Exception:
@@ -225,6 +237,28 @@ class Placer:
         for cls in QUEUE_CLASSES:
             self._add_waiting(cls, self.store.take_requeued(cls), first=True)
 
+    def unpark(self) -> None:
+        """Parked requests go back to the head of their class once a verifier of their
+        version is live; past `version_wait_seconds` they fail (they cannot go on elsewhere
+        without mixing versions in one stream)."""
+        live = {v.get("version", "") for v in self.store.live_verifiers()}
+        now = time.monotonic()
+        for rid, (cls, entry, version, since) in list(self.parked.items()):
+            rec = self.store.get(rid)
+            if rec is None or rec.status != "queued":
+                del self.parked[rid]
+            elif version in live:
+                del self.parked[rid]
+                self._add_waiting(cls, [entry], first=True)
+            elif now - since > self.settings.version_wait_seconds:
+                del self.parked[rid]
+                why = (
+                    f"model version {version}, which generated its first {rec.generated} tokens, "
+                    f"is no longer served; retry the request"
+                )
+                self._end(rec, cls, why)
+        metrics.PARKED.set(len(self.parked))
+
     def reclaim(self) -> None:
         """Takes over the entries other placement consumers read and left idle (a scheduler
         that died): the queued ones among them wait here now."""
@@ -239,6 +273,8 @@ class Placer:
     def place_some(self) -> bool:
         """Places waiting requests until none fits; True if any was placed."""
         loads = parse_verifiers(self.store.live_verifiers())
+        self.canary_share = self.store.rollout()["canary_share"]
+        metrics.CANARY_SHARE.set(self.canary_share)
         placed, blocked = False, set()
         if not loads:
             blocked.update(QUEUE_CLASSES)
@@ -284,8 +320,20 @@ class Placer:
                 int(spec["max_tokens"]),
                 self.store.session_owner(session) if session else None,
             )
-            if loads and not any(v.could_ever_hold(want) for v in loads):
-                self._fail(rec, cls, loads)  # it would block its class until it times out
+            self._pin(want, rec, {v.pool for v in loads})
+            eligible = want.eligible(loads)
+            if not eligible:
+                if want.version:  # it started on a version no live verifier serves now
+                    self.waiting[cls].popleft()
+                    parked = (cls, head, want.version, time.monotonic())
+                    self.parked.setdefault(rec.request_id, parked)  # (or parked before)
+                    continue
+                if spec.get("pool"):
+                    self._end(rec, cls, f"no live verifier in the {want.pool} pool")
+                    continue
+                return False  # its pool (by the rollout share) is down: the class waits
+            if not any(v.could_ever_hold(want) for v in eligible):
+                self._fail(rec, cls, eligible)  # it would block its class until it times out
                 continue
             result = None
             candidates = loads
@@ -305,11 +353,21 @@ class Placer:
                 queued.set_attributes({"class": cls, "requeues": rec.requeues})
                 queued.end()
                 target.take(cls, target.need(want.prompt_tokens, want.max_tokens))
-                metrics.PLACED.labels(cls).inc()
+                metrics.PLACED.labels(cls, target.pool).inc()
                 metrics.QUEUE_WAIT.labels(cls).observe(max(0, now_ms() - rec.created_ms) / 1e3)
                 metrics.SESSION_HITS.inc(target.verifier_id == want.session_owner)
                 return True
         return False
+
+    def _pin(self, want: Want, rec, live_pools: set[str]) -> None:
+        """A request that generated tokens goes on on their model version (any pool); a
+        probe runs in the pool it names; any other runs in the pool its id falls in."""
+        if rec.generated and rec.version:
+            want.version = rec.version
+        else:
+            want.pool = rec.spec.get("pool") or choose_pool(
+                rec.request_id, self.canary_share, live_pools
+            )
 
     def expire_waiting(self) -> None:
         """Ends queued requests past their class timeout, and any whose deadline passed."""
@@ -328,7 +386,8 @@ class Placer:
         rec = self.store.get(rid)
         if rec is None or rec.status != "queued":
             return
-        final = ended_final("FINISH_REASON_DEADLINE", len(rec.spec.get("prompt_ids", [])), why)
+        prompt_tokens = len(rec.spec.get("prompt_ids", []))
+        final = ended_final("FINISH_REASON_DEADLINE", prompt_tokens, why, rec.generated)
         if self.store.end_queued(rid, final, "expired"):
             metrics.EXPIRED.labels(cls).inc()
             log.info("expired", extra={"request_id": rid, "class": cls, "reason": why})
@@ -336,13 +395,20 @@ class Placer:
     def _fail(self, rec, cls: str, loads: list[VerifierLoad]) -> None:
         """Ends a request no live verifier's KV budget can ever hold."""
         largest = max(loads, key=lambda v: v.kv_budget)
-        prompt_tokens = len(rec.spec["prompt_ids"])
         why = kv_fit_problem(
-            prompt_tokens, int(rec.spec["max_tokens"]), largest.kv_budget, largest.max_seq_len
+            len(rec.spec["prompt_ids"]),
+            int(rec.spec["max_tokens"]),
+            largest.kv_budget,
+            largest.max_seq_len,
         )
-        final = ended_final("FINISH_REASON_ERROR", prompt_tokens, why)
+        self._end(rec, cls, why)
+
+    def _end(self, rec, cls: str, why: str) -> None:
+        """Ends a queued request that cannot run, with the reason."""
+        prompt_tokens = len(rec.spec["prompt_ids"])
+        final = ended_final("FINISH_REASON_ERROR", prompt_tokens, why, rec.generated)
         if self.store.end_queued(rec.request_id, final, "failed"):
-            log.warning("cannot fit", extra={"request_id": rec.request_id, "class": cls})
+            log.warning("failed", extra={"request_id": rec.request_id, "class": cls, "why": why})
 
     def _admit(self, address: str, rid: str, trace_ctx) -> bool | None:
         """True if admitted, False if the request no longer needs placing, None to retry."""

@@ -53,6 +53,7 @@ class Engine:
         eos_ids: set[int],
         decode: Callable[[list[int]], str],
         verifier_id: str = "",
+        served: dict[str, str] | None = None,
         prefix_cache: bool = True,
     ):
         self.runner = runner
@@ -64,6 +65,8 @@ class Engine:
         self.eos_ids = eos_ids
         self.decode = decode
         self.verifier_id = verifier_id
+        # pool and model_version: on every step write and in every final
+        self.served = served or {"pool": "", "model_version": ""}
         self.prefix_cache = prefix_cache
         self.running: dict[str, Sequence] = {}  # owned by the loop thread
         self._inbox: queue.Queue[Sequence] = queue.Queue()
@@ -291,6 +294,7 @@ class Engine:
         results = self.store.commit_step(
             self.verifier_id,
             [(s.request_id, s.num_emitted, s.output_ids[s.num_emitted :]) for s in seqs],
+            self.served["model_version"],
         )
         states = []
         for seq, result in zip(seqs, results, strict=True):
@@ -316,7 +320,7 @@ class Engine:
             seq.request_id,
             self.verifier_id,
             status,
-            seq.final_info(),
+            seq.final_info() | self.served,
             seq.queue,
             seq.session_id if seq.kv_kept else "",
         )

@@ -69,5 +69,5 @@ ACCELERATOR_MEMORY = Gauge(
 MODEL = Gauge(
     "specserve_verifier_model_info",
     "The target model this verifier serves (always 1; the labels say which).",
-    ["model", "sha256"],
+    ["model", "sha256", "version", "pool"],
 )

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -60,6 +63,34 @@ def sequence_from_record(rec, restored: list[int]) -> Sequence:
     )
 
 
+# Settings that name this process rather than shape what it serves.
+PLACE_KEYS = {"host", "port", "verifier_id", "advertise_address", "redis_url", "metrics_port"}
+
+
+@dataclass(frozen=True)
+class Served:
+    """What this verifier serves; the registry, Status, metrics and every stream entry
+    report it, and a request that generated tokens stays on its `version`."""
+
+    pool: str
+    model: str  # the configured model (name@version or path)
+    version: str  # models.served_version: name and weights' sha256 prefix
+    sha256: str
+    config: str  # sha256 prefix of the settings, less those naming the process
+
+    @classmethod
+    def of(cls, settings: VerifierSettings, sha256: str) -> Served:
+        shape = settings.model_dump(mode="json", exclude=PLACE_KEYS)
+        config = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
+        return cls(
+            pool=settings.pool,
+            model=settings.model.label,
+            version=models.served_version(settings.model, sha256),
+            sha256=sha256,
+            config=config[:12],
+        )
+
+
 class VerifierService(pb_grpc.VerifierServicer):
     def __init__(
         self,
@@ -67,13 +98,13 @@ class VerifierService(pb_grpc.VerifierServicer):
         engine: Engine,
         store: RequestStore,
         verifier_id: str,
-        model_label: str,
+        served: Served,
     ):
         self.settings = settings
         self.engine = engine
         self.store = store
         self.verifier_id = verifier_id
-        self.model_label = model_label
+        self.served = served
         self.draining = False  # set on SIGTERM: no new work
 
     def Admit(self, request: pb.AdmitRequest, context: grpc.ServicerContext) -> pb.AdmitResponse:
@@ -106,13 +137,18 @@ class VerifierService(pb_grpc.VerifierServicer):
         seq.admitted_ms = now_ms()
         seq.trace_ctx = otel_context.get_current()
         try:
-            claimed = self.store.claim(rid, self.verifier_id, seq.admitted_ms)
+            claimed = self.store.claim(
+                rid, self.verifier_id, seq.admitted_ms, self.served.version, self.served.pool
+            )
         except Exception:
             admission.release(rid, seq.session_id, grant.prefix)
             raise
-        if not claimed:
+        if claimed != 1:
             admission.release(rid, seq.session_id, grant.prefix)
-            return pb.AdmitResponse(admitted=False, reason="the request is not queued")
+            reason = "the request is not queued"
+            if claimed == 2:
+                reason = f"the request started on model version {rec.version} and finishes there"
+            return pb.AdmitResponse(admitted=False, reason=reason)
         self.engine.admit(seq, grant)
         log.info(
             "admitted",
@@ -147,10 +183,14 @@ class VerifierService(pb_grpc.VerifierServicer):
             capacity=self.settings.batch_size,
             request_ids=self.engine.running_ids(),
             steps=self.engine.steps,
-            model=self.model_label,
+            model=self.served.model,
             kv_budget=self.engine.admission.kv_budget,
             kv_reserved=load["kv_reserved"],
             kv_cached=load["kv_cached"],
+            pool=self.served.pool,
+            model_version=self.served.version,
+            sha256=self.served.sha256,
+            config=self.served.config,
         )
 
     def _free(self) -> int:
@@ -167,7 +207,10 @@ class VerifierService(pb_grpc.VerifierServicer):
             metrics.ACCELERATOR_MEMORY.set(torch.cuda.memory_allocated())
         return {
             "address": address,
-            "model": self.model_label,
+            "model": self.served.model,
+            "version": self.served.version,
+            "pool": self.served.pool,
+            "config": self.served.config,
             "capacity": admission.batch_size,
             "batch_capacity": admission.batch_slots,
             "kv_budget": admission.kv_budget,
@@ -203,7 +246,8 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     flat = FlatModel(model)
     budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)
     metrics.KV_BUDGET.set(budget)
-    metrics.MODEL.labels(settings.model.label, manifest.get("sha256", "")).set(1)
+    served = Served.of(settings, models.fingerprint(path, manifest))
+    metrics.MODEL.labels(served.model, served.sha256, served.version, served.pool).set(1)
     engine = Engine(
         ModelRunner(flat),
         speculator,
@@ -214,9 +258,10 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         eos_ids=eos_ids,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         verifier_id=vid,
+        served={"pool": served.pool, "model_version": served.version},
         prefix_cache=settings.prefix_cache,
     )
-    service = VerifierService(settings, engine, store, vid, settings.model.label)
+    service = VerifierService(settings, engine, store, vid, served)
     pb_grpc.add_VerifierServicer_to_server(service, server.grpc)
     stop_hb = threading.Event()
     engine.start()
@@ -239,8 +284,10 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         "verifier ready",
         extra={
             "address": address,
-            "model": settings.model.label,
-            "sha256": manifest.get("sha256", ""),
+            "model": served.model,
+            "version": served.version,
+            "pool": served.pool,
+            "config": served.config,
             "speculative_decoding": settings.speculative_decoding,
             "kv_budget_tokens": budget,
             "drafters": settings.drafter_addresses,
