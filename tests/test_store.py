@@ -74,6 +74,23 @@ def test_a_requeued_request_is_fenced_from_its_old_verifier(store):
     assert store.r.xpending(queue_key("interactive"), "placement")["pending"] == 0
 
 
+def test_a_request_with_tokens_is_claimed_only_by_their_model_version(store):
+    assert store.create("r", {"prompt_ids": [1], "max_tokens": 9}, "interactive", 10)[0] == 0
+    assert store.claim("r", "v1", 0, version="m:1", pool="canary") == 1
+    assert store.requeue("r", "v1")  # before any token: any version may take it
+    assert store.claim("r", "v2", 0, version="m:2", pool="stable") == 1
+    assert store.commit_step("v2", [("r", 0, [5, 6])], version="m:2") == [(0, 2)]
+    assert store.requeue("r", "v2")
+    rec = store.get("r")
+    assert (rec.version, rec.pool, rec.generated) == ("m:2", "stable", 2)
+    assert store.claim("r", "v1", 0, version="m:1", pool="canary") == 2  # refused
+    assert store.get("r").status == "queued"
+    assert store.claim("r", "v3", 0, version="m:2", pool="canary") == 1  # same version
+    assert store.commit_step("v3", [("r", 2, [7])], version="m:2") == [(0, 3)]
+    entries = store.r.xrange("specserve:out:r")
+    assert {fields["v"] for _, fields in entries} == {"m:2"}
+
+
 def final(tokens: int) -> dict:
     return {"finish_reason": "FINISH_REASON_LENGTH", "usage": {"completion_tokens": tokens}}
 

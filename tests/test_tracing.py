@@ -130,15 +130,20 @@ def test_one_request_is_one_trace_across_all_four_services(traced):
 # What each service's /metrics must list (after the request above has run).
 EXPECTED = {
     "gateway": [
-        'specserve_gateway_requests_total{priority="interactive",status="FINISH_REASON_LENGTH"}',
-        'specserve_gateway_ttft_seconds_count{priority="interactive"}',
-        'specserve_gateway_time_per_output_token_seconds_count{priority="interactive"}',
+        'specserve_gateway_requests_total{pool="stable",priority="interactive",'
+        'status="FINISH_REASON_LENGTH"}',
+        'specserve_gateway_ttft_seconds_count{pool="stable",priority="interactive"}',
+        'specserve_gateway_time_per_output_token_seconds_count{pool="stable",priority="interactive"}',
+        'specserve_gateway_drafted_tokens_total{pool="stable"}',
+        'specserve_gateway_accepted_tokens_total{pool="stable"}',
         "specserve_gateway_output_tokens_total",
         "specserve_gateway_open_streams",
     ],
     "scheduler": [
         'specserve_scheduler_queue_depth{priority="interactive"}',
         'specserve_scheduler_queue_wait_seconds_count{priority="interactive"}',
+        'specserve_scheduler_placed_total{pool="stable",priority="interactive"}',
+        "specserve_scheduler_canary_share",
         'specserve_scheduler_live_members{kind="verifier"}',
         'specserve_scheduler_live_members{kind="drafter"}',
     ],
