@@ -201,17 +201,54 @@ def cluster(settings: dict[str, ServiceSettings], addresses: dict[str, str]) -> 
         ("gateway", addresses.get("gateway") or f"127.0.0.1:{gateway.port}"),
         ("scheduler", addresses.get("scheduler") or gateway.scheduler_address),
     ]
-    targets += [(f"verifier {v['id']}", v["address"]) for v in store.live("verifier")]
+    verifiers = store.live("verifier")
+    targets += [(f"verifier {v['id']}", v["address"]) for v in verifiers]
     targets += [(f"drafter {d['id']}", d["address"]) for d in store.live("drafter")]
     try:
         tls.configure(scheduler)
     except ConfigError as e:
         yield Finding("fail", "health", f"cannot dial the services: {e}")
         return
+    serves = {v["address"]: f"; {v.get('pool')} pool, {v.get('version')}" for v in verifiers}
     for name, address in targets:
-        yield health(name, address)
-    if not store.live("verifier"):
+        finding = health(name, address)
+        finding.detail += serves.get(address, "")
+        yield finding
+    if not verifiers:
         yield Finding("fail", "verifiers", "none registered: nothing can be generated")
+    yield rollout_finding(verifiers, store.rollout()["canary_share"])
+
+
+def rollout_finding(verifiers: list[dict], canary_share: float) -> Finding:
+    """Which versions serve which share; a warning where a pool serves several versions or
+    the share names a pool with no live verifier (its requests wait)."""
+    from .common.rollout import CANARY, STABLE, pool_shares
+
+    versions: dict[str, set[str]] = {}
+    for v in verifiers:
+        versions.setdefault(v.get("pool", "stable"), set()).add(v.get("version", "?"))
+    shares = pool_shares(set(versions), canary_share)
+    detail = "; ".join(
+        f"{pool} {shares.get(pool, 0):.0%}: {', '.join(sorted(vs))}"
+        for pool, vs in sorted(versions.items())
+    )
+    mixed = [pool for pool, vs in versions.items() if len(vs) > 1]
+    if mixed:
+        return Finding(
+            "warn",
+            "rollout",
+            f"{detail}: {', '.join(mixed)} serves several versions "
+            "(mid-upgrade?); requests stay on the version they started on",
+        )
+    wanted = CANARY if canary_share >= 1 else STABLE if canary_share <= 0 else None
+    if versions and wanted and wanted not in versions:
+        return Finding(
+            "warn",
+            "rollout",
+            f"canary share {canary_share:.0%} sends every new request to the {wanted} pool, "
+            "which has no live verifier: they wait (`specserve rollout canary` to change it)",
+        )
+    return Finding("ok", "rollout", detail or "no verifier")
 
 
 def health(name: str, address: str, timeout: float = 3.0) -> Finding:

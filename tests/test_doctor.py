@@ -41,6 +41,8 @@ def test_a_healthy_cluster_passes(tiny_cluster):
     verifier = tiny_cluster.procs["verifier"].address
     drafter = tiny_cluster.procs["drafter"].address
     assert found[f"health verifier {verifier}"[:28]] == "ok"
+    assert "stable pool, " in run.stdout  # what each verifier serves
+    assert found["rollout"] == "ok"
     assert found[f"health drafter {drafter}"[:28]] == "ok"
     assert found["redis"] == "warn"  # the tests' Redis keeps nothing on disk: said, with why
     assert "appendonly=no" in run.stdout

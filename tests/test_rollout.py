@@ -5,7 +5,10 @@ traffic and through a canary verifier that drains mid-request."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -204,6 +207,36 @@ def test_probes_compare_the_pools_greedy_outputs(pools, store):
     summary = rollout.agreement(results)
     assert summary["exact"] < 1.0  # perturbed weights: some greedy output differs
     assert summary["exact"] <= summary["prefix"] <= 1.0
+
+
+def rollout_cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specserve.cli", "--config", str(cluster.config_path)]
+        + ["rollout", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_rollout_command_sets_shows_and_rolls_back_the_share(pools, store):
+    run = rollout_cli(pools, "canary", "0.25")
+    assert run.returncode == 0, run.stderr
+    assert store.rollout()["canary_share"] == 0.25
+    run = rollout_cli(pools, "status")
+    assert run.returncode == 0 and "canary share 25%" in run.stdout
+    assert {line.split()[0] for line in run.stdout.splitlines()[2:]} == {STABLE, CANARY}
+    report = json.loads(rollout_cli(pools, "status", "--json").stdout)
+    assert report["pools"][CANARY]["share"] == 0.25
+    run = rollout_cli(pools, "rollback", "--wait", "30")
+    assert run.returncode == 0 and "can be removed" in run.stdout, run.stdout
+    assert store.rollout() | {"updated_ms": 0} == {
+        "canary_share": 0.0,
+        "previous_share": 0.25,
+        "updated_ms": 0,
+    }
+    run = rollout_cli(pools, "canary", "1.5")
+    assert run.returncode == 2 and "within 0 and 1" in run.stderr
 
 
 def test_rollback_during_traffic_fails_nothing_and_mixes_no_stream(stub, store, tokenizer):
