@@ -41,7 +41,7 @@ def render(overlay: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
-@pytest.fixture(scope="module", params=["dev", "gpu"])
+@pytest.fixture(scope="module", params=["dev", "gpu", "canary"])
 def objects(request) -> list[dict]:
     return render(request.param)
 
@@ -131,6 +131,41 @@ def test_the_gpu_overlay_gives_each_verifier_a_gpu():
     container = verifier["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert {"name": "SPECSERVE_VERIFIER_DEVICE", "value": "cuda"} in container["env"]
+
+
+def test_the_canary_overlay_adds_a_canary_pool_beside_the_stable_one():
+    objects = render("canary")
+    statefulsets = {
+        o["metadata"]["name"]: o
+        for o in objects
+        if o["kind"] == "StatefulSet" and o["metadata"]["name"].startswith("verifier")
+    }
+    env = {
+        name: {
+            e["name"]: e.get("value") for e in s["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
+        for name, s in statefulsets.items()
+    }
+    assert env["verifier-canary"]["SPECSERVE_VERIFIER_POOL"] == "canary"
+    assert "SPECSERVE_VERIFIER_POOL" not in env["verifier"]  # stable: the default pool
+    settings = SETTINGS_BY_SERVICE["verifier"]
+    for key, value in env["verifier-canary"].items():  # each override is a valid setting
+        field = key.removeprefix("SPECSERVE_VERIFIER_").lower()
+        assert field in settings.model_fields or field in ("pod_name", "pod_ip"), key
+        if field in ("pool", "speculation_policy", "verification_tree_size"):
+            settings.model_validate({field: value})
+    # Each pool has its own headless Service: its pods' names resolve (the advertised address).
+    address = env["verifier-canary"]["SPECSERVE_VERIFIER_ADVERTISE_ADDRESS"]
+    assert address.startswith("$(POD_NAME).verifier-canary.")
+    canary = statefulsets["verifier-canary"]
+    assert canary["spec"]["serviceName"] == "verifier-canary"
+    service = next(
+        o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "verifier-canary"
+    )
+    assert service["spec"]["selector"] == canary["spec"]["selector"]["matchLabels"]
+    assert (
+        service["spec"]["selector"] != statefulsets["verifier"]["spec"]["selector"]["matchLabels"]
+    )
 
 
 # --- monitoring -------------------------------------------------------------------------------
