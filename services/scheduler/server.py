@@ -360,8 +360,9 @@ class Placer:
         return False
 
     def _pin(self, want: Want, rec, live_pools: set[str]) -> None:
-        """A request that generated tokens goes on on their model version (any pool); a
-        probe runs in the pool it names; any other runs in the pool its id falls in."""
+        """A request that has generated tokens continues on the model version that made them
+        (in any pool); a probe runs in the pool it names; any other request runs in the pool
+        its id falls in."""
         if rec.generated and rec.version:
             want.version = rec.version
         else:

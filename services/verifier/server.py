@@ -63,8 +63,16 @@ def sequence_from_record(rec, restored: list[int]) -> Sequence:
     )
 
 
-# Settings that name this process rather than shape what it serves.
-PLACE_KEYS = {"host", "port", "verifier_id", "advertise_address", "redis_url", "metrics_port"}
+# Settings that name or place this process rather than shape what it serves.
+PLACE_KEYS = {
+    "host",
+    "port",
+    "verifier_id",
+    "advertise_address",
+    "redis_url",
+    "metrics_port",
+    "pool",
+}
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class Served:
     model: str  # the configured model (name@version or path)
     version: str  # models.served_version: name and weights' sha256 prefix
     sha256: str
-    config: str  # sha256 prefix of the settings, less those naming the process
+    config: str  # sha256 prefix of the settings, less PLACE_KEYS
 
     @classmethod
     def of(cls, settings: VerifierSettings, sha256: str) -> Served:
