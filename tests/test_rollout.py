@@ -20,9 +20,11 @@ from conftest import cluster_config
 from helpers import request
 from specserve import rollout
 from specserve.common.rollout import CANARY, STABLE, bucket, choose_pool, pool_shares
+from specserve.common.settings import SchedulerSettings
 from specserve.common.store import RequestStore
 from specserve.local_cluster import LocalCluster
 from specserve.scheduler.placement import VerifierLoad, Want, choose_verifier
+from specserve.scheduler.server import Placer, VerifierClients
 from specserve.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2_grpc
 
 
@@ -57,6 +59,55 @@ def test_a_pinned_request_is_placed_only_on_its_pool_or_version():
     assert choose_verifier(loads, Want("interactive", 10, 10, pool=CANARY)).verifier_id == "c"
     assert choose_verifier(loads, Want("interactive", 10, 10, version="m:2")).verifier_id == "c"
     assert choose_verifier(loads, Want("interactive", 10, 10, version="m:3")) is None
+
+
+# --- the placement loop against a real Redis (no verifier process) ------------------------
+@pytest.fixture
+def bare_store(tmp_path):
+    cluster = LocalCluster({}, tmp_path)
+    store = RequestStore.from_url(cluster.start_redis())
+    store.ensure_queues()
+    yield store
+    cluster.kill_redis()
+
+
+def handed_back(store: RequestStore, rid: str, version: str) -> None:
+    """A request that generated a token on `version`, then went back to its queue."""
+    assert store.create(rid, {"prompt_ids": [1, 2], "max_tokens": 9}, "interactive", 10)[0] == 0
+    assert store.claim(rid, "gone", 0, version=version, pool=CANARY) == 1
+    assert store.commit_step("gone", [(rid, 0, [5])], version=version) == [(0, 1)]
+    assert store.requeue(rid, "gone")
+
+
+def register(store: RequestStore, vid: str, version: str) -> None:
+    row = {"address": "127.0.0.1:9", "capacity": 4, "batch_capacity": 3, "kv_budget": 1000}
+    store.heartbeat(vid, row | {"max_seq_len": 100, "version": version, "pool": STABLE}, 30)
+
+
+def test_a_request_whose_version_is_gone_waits_aside_then_fails_with_why(bare_store):
+    placer = Placer(
+        SchedulerSettings(version_wait_seconds=0.3), bare_store, VerifierClients(), "test"
+    )
+    handed_back(bare_store, "r", "m:1")
+    register(bare_store, "v2", "m:2")  # free, but another version
+    placer.take_requeued()
+    assert not placer.place_some()  # nothing placed, and no Admit tried on m:2
+    assert set(placer.parked) == {"r"} and not placer.waiting["interactive"]
+    time.sleep(0.4)
+    placer.unpark()
+    rec = bare_store.get("r")
+    assert rec.status == "failed" and not placer.parked
+    final = json.loads(bare_store.r.xrevrange("specserve:out:r", count=1)[0][1]["final"])
+    assert "m:1" in final["error"] and "no longer served" in final["error"]
+    assert final["usage"]["completion_tokens"] == 1
+    # A version that comes back in time takes its requests back, ahead of their class.
+    handed_back(bare_store, "p", "m:1")
+    placer.take_requeued()
+    placer.place_some()
+    assert "p" in placer.parked
+    register(bare_store, "v3", "m:1")
+    placer.unpark()
+    assert placer.waiting["interactive"][0][1] == "p" and not placer.parked
 
 
 # --- the cluster ----------------------------------------------------------------------------
@@ -239,6 +290,18 @@ def test_the_rollout_command_sets_shows_and_rolls_back_the_share(pools, store):
     assert run.returncode == 2 and "within 0 and 1" in run.stderr
 
 
+def test_the_probe_command_fails_below_the_agreement_asked_for(pools, tmp_path):
+    out = tmp_path / "probe.json"
+    args = ("--scheduler", pools.procs["scheduler"].address, "--max-tokens", "4")
+    run = rollout_cli(pools, "probe", *args, "--out", str(out), "--min-agreement", "1.0")
+    assert run.returncode == 1, run.stdout + run.stderr  # the canary's weights differ
+    assert "below 100%" in run.stderr
+    report = json.loads(out.read_text())
+    assert report["summary"]["probes"] == len(rollout.PROBES) > 0
+    assert report["summary"]["exact"] < 1.0
+    assert rollout_cli(pools, "probe", *args, "--min-agreement", "0").returncode == 0
+
+
 def test_rollback_during_traffic_fails_nothing_and_mixes_no_stream(stub, store, tokenizer):
     store.set_canary_share(0.5)
     versions = versions_by_pool(stub)
@@ -276,11 +339,12 @@ def test_a_request_handed_back_by_a_canary_waits_for_its_version(pools, stub, st
         time.sleep(0.05)
     assert stream.chunks, "no token before the drain"
     assert pools.kill(CANARY_KEY, signal.SIGTERM) == 0  # drained: handed back what ran on
-    time.sleep(2)  # placement passes go by with the stable verifier idle
+    store.set_canary_share(0.0)  # and rolled back: new requests go to stable meanwhile
+    other = Stream(stub, f"rollout-{uuid.uuid4().hex[:10]}", [4, 5, 6], 8).result()
+    assert other.final.pool == STABLE  # the parked request does not hold its class back
     rec = store.get(rid)
     assert rec.status == "queued" and rec.generated > 0 and rec.version == versions[CANARY]
     start_canary(pools, canary_dir)
     stream.result().assert_one_version(versions)
-    assert stream.final.pool == CANARY
+    assert stream.final.pool == CANARY  # it started there: the share does not move it
     assert stream.final.usage.completion_tokens == 1000
-    store.set_canary_share(0.0)
