@@ -59,6 +59,7 @@ def status(store: RequestStore) -> dict:
                 "versions": sorted({v.get("version", "") for v in members}),
                 "configs": sorted({v.get("config", "") for v in members}),
                 "verifiers": [v["id"] for v in members],
+                "drafters": len(store.drafters(name)),
                 "running": sum(int(v.get("running", 0)) for v in members),
             }
             for name, members in sorted(live.items())
@@ -70,11 +71,13 @@ def render_status(report: dict) -> str:
     lines = [
         f"canary share {report['canary_share']:.0%} (before the last change: "
         f"{report['previous_share']:.0%})",
-        f"{'POOL':8} {'SHARE':>6} {'VERIFIERS':>9} {'RUNNING':>7}  VERSIONS / CONFIGS",
+        f"{'POOL':8} {'SHARE':>6} {'VERIFIERS':>9} {'DRAFTERS':>8} {'RUNNING':>7}  "
+        "VERSIONS / CONFIGS",
     ]
     for name, p in report["pools"].items():
         lines.append(
-            f"{name:8} {p['share']:>6.0%} {len(p['verifiers']):>9} {p['running']:>7}  "
+            f"{name:8} {p['share']:>6.0%} {len(p['verifiers']):>9} {p['drafters']:>8} "
+            f"{p['running']:>7}  "
             f"{', '.join(p['versions'])} / {', '.join(p['configs'])}"
         )
     if not report["pools"]:

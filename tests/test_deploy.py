@@ -166,6 +166,14 @@ def test_the_canary_overlay_adds_a_canary_pool_beside_the_stable_one():
     assert (
         service["spec"]["selector"] != statefulsets["verifier"]["spec"]["selector"]["matchLabels"]
     )
+    # Canary verifiers draft only with canary drafters: the overlay brings its own.
+    drafter = next(
+        o
+        for o in objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "drafter-canary"
+    )
+    drafter_env = drafter["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "SPECSERVE_DRAFTER_POOL", "value": "canary"} in drafter_env
 
 
 # --- monitoring -------------------------------------------------------------------------------

@@ -110,6 +110,14 @@ def test_a_request_whose_version_is_gone_waits_aside_then_fails_with_why(bare_st
     assert placer.waiting["interactive"][0][1] == "p" and not placer.parked
 
 
+def test_a_verifier_drafts_only_with_the_drafters_of_its_pool(bare_store):
+    for address, pool in (("d1:1", STABLE), ("d2:1", CANARY), ("d3:1", STABLE)):
+        bare_store.heartbeat(address, {"address": address, "pool": pool}, 30, kind="drafter")
+    bare_store.heartbeat("d4:1", {"address": "d4:1"}, 30, kind="drafter")  # no pool: stable
+    assert sorted(bare_store.drafters(STABLE)) == ["d1:1", "d3:1", "d4:1"]
+    assert bare_store.drafters(CANARY) == ["d2:1"]
+
+
 # --- the cluster ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def canary_dir(tiny_draft_dir):

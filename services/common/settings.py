@@ -303,6 +303,9 @@ class DrafterSettings(ServiceSettings):
         default=None,
         description="Address verifiers dial (registered in Redis); host:port if unset.",
     )
+    pool: Literal["stable", "canary"] = Field(
+        default="stable", description="Rollout pool: only verifiers of this pool draft with it."
+    )
     proposer: Literal["draft_model", "ngram", "hybrid"] = "draft_model"
     draft_model: ModelRef = ModelRef(name="qwen2.5-coder-0.5b-instruct", version="0.9.0")
     draft_model_path: str | None = Field(default=None, description="Overrides draft_model.")

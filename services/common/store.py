@@ -19,7 +19,7 @@ Keys (prefix `specserve:`):
                          batch_capacity, batch_running, kv_budget, kv_reserved, kv_cached,
                          max_seq_len (expires without heartbeats)
   verifiers       set    registered verifier ids
-  drafter:{id}    hash   address (expires without heartbeats)
+  drafter:{id}    hash   address, proposer, pool (expires without heartbeats)
   drafters        set    registered drafter ids
   result:{hash}   hash   ids, final (JSON) of a finished deterministic request (result cache, TTL)
   session:{sid}   string id of the verifier whose prefix cache holds the session's last turn
@@ -391,6 +391,11 @@ class RequestStore:
             mapping={"canary_share": share, "previous_share": old, "updated_ms": now_ms()},
         )
         return old
+
+    def drafters(self, pool: str) -> list[str]:
+        """Addresses of the live drafters of a rollout pool (a canary drafts for canaries)."""
+        rows = self.live("drafter")
+        return [d["address"] for d in rows if "address" in d and d.get("pool", "stable") == pool]
 
     def session_owner(self, sid: str) -> str | None:
         """The verifier holding the session's cached prefix, if any."""

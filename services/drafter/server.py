@@ -91,7 +91,7 @@ def build(settings: DrafterSettings):
             store,
             "drafter",
             address,
-            lambda: {"address": address, "proposer": settings.proposer},
+            lambda: {"address": address, "proposer": settings.proposer, "pool": settings.pool},
         ),
         kwargs={"period": settings.heartbeat_seconds, "stop": stop},
         name="heartbeat",
@@ -99,7 +99,10 @@ def build(settings: DrafterSettings):
     )
     heartbeat.start()
     server.set_serving(True)
-    log.info("drafter ready", extra={"address": address, "proposer": settings.proposer})
+    log.info(
+        "drafter ready",
+        extra={"address": address, "proposer": settings.proposer, "pool": settings.pool},
+    )
 
     def on_stop() -> None:
         stop.set()

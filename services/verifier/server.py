@@ -249,7 +249,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     speculator = Speculator(
         settings,
         model.config.vocab_size,
-        discover=lambda: [d["address"] for d in store.live("drafter") if "address" in d],
+        discover=lambda: store.drafters(settings.pool),
     )
     flat = FlatModel(model)
     budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)
