@@ -136,7 +136,7 @@ def _plan(args: argparse.Namespace) -> int:
         return plan.shape_from_dir(path)
 
     if args.device == "this-machine":
-        device = plan.measure_this_machine()
+        device = plan.measure_this_machine(dtype=args.dtype)
     else:
         device = plan.PRESETS[args.device]
     acceptance, source = 0.7, "assumed"
@@ -152,6 +152,7 @@ def _plan(args: argparse.Namespace) -> int:
         acceptance=acceptance,
         acceptance_source=source,
         target_tokens_per_s=args.target_tokens_per_s,
+        target_ttft_s=args.target_ttft_ms / 1000,
     )
     result = plan.plan(shape(args.model), shape(args.draft), device, load)
     print(plan.render(result))
@@ -319,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-url", help="a running verifier's /metrics: its measured acceptance is used"
     )
     pl.add_argument("--target-tokens-per-s", type=float, default=0.0, help="per stream; 0: none")
+    pl.add_argument("--target-ttft-ms", type=float, default=0.0, help="0: none")
     pl.add_argument("--out", help="also write the plan as JSON here")
     pl.set_defaults(func=_plan)
 

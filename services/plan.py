@@ -3,9 +3,11 @@
 Decoding is memory-bound: a step reads every weight once for the whole batch, and each
 sequence's KV cache. So the ceiling of one stream's decode speed is bandwidth / bytes read per
 step, and speculation multiplies the tokens a step yields by the expected accepted length at
-the cost of the draft model's own reads. Every figure is labelled: measured (read off this
-machine, a weights file, or a running verifier), given (a flag), or assumed (a preset or a
-default named here).
+the cost of the draft model's own reads. Prefill is compute-bound: every prompt token goes
+through every weight matrix (two FLOPs per parameter), so the time to first token is at
+least the prompt's FLOPs / the device's peak FLOP/s. Every figure is labelled: measured (read
+off this machine, a weights file, or a running verifier), given (a flag), or assumed (a
+preset or a default named here).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import json
 import math
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 USABLE_MEMORY = 0.9  # of a device's memory; the rest is the framework's and activations'
+PREFILL_EFFICIENCY = 0.5  # share of peak FLOP/s a prefill reaches (assumed; MFU)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
@@ -26,16 +29,17 @@ class Device:
     name: str
     memory_bytes: float
     bandwidth_bytes_s: float
+    flops: float  # dense 16-bit matrix multiply FLOP/s (no sparsity)
     count: int = 1
     source: str = "assumed"  # "measured" for this machine
 
 
-PRESETS = {  # vendor datasheet figures (memory, bandwidth)
-    "h100-80gb": Device("h100-80gb", 80e9, 3.35e12),
-    "h200": Device("h200", 141e9, 4.8e12),
-    "a100-80gb": Device("a100-80gb", 80e9, 2.039e12),
-    "l4": Device("l4", 24e9, 300e9),
-    "a10g": Device("a10g", 24e9, 600e9),
+PRESETS = {  # vendor datasheet figures (memory, bandwidth, dense BF16 tensor FLOP/s)
+    "h100-80gb": Device("h100-80gb", 80e9, 3.35e12, 989e12),
+    "h200": Device("h200", 141e9, 4.8e12, 989e12),
+    "a100-80gb": Device("a100-80gb", 80e9, 2.039e12, 312e12),
+    "l4": Device("l4", 24e9, 300e9, 121e12),
+    "a10g": Device("a10g", 24e9, 600e9, 125e12),  # the A10's figure; the A10G clocks lower
 }
 
 
@@ -48,9 +52,20 @@ class Shape:
     kv_heads: int
     head_dim: int
     source: str  # where params came from
+    vocab_size: int = 0
+    hidden_size: int = 0
+    tied_embeddings: bool = True
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def prefill_flops(self, prompt_tokens: int) -> int:
+        """Matrix-multiply FLOPs of a prefill: every token through every weight matrix but
+        the embedding table (a lookup) and the LM head (the last token's logits only).
+        Attention scores are left out: this is a floor."""
+        table = self.vocab_size * self.hidden_size
+        per_token = self.params - table * (1 if self.tied_embeddings else 2)
+        return 2 * per_token * prompt_tokens + 2 * table
 
 
 def shape_from_config(config: dict) -> Shape:
@@ -66,7 +81,10 @@ def shape_from_config(config: dict) -> Shape:
     per_layer = attention + 3 * hidden * inter + 2 * hidden
     embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
     params = layers * per_layer + embeddings + hidden
-    return Shape(params, layers, kv_heads, head_dim, "computed from config.json")
+    tied = bool(config.get("tie_word_embeddings"))
+    return Shape(
+        params, layers, kv_heads, head_dim, "computed from config.json", vocab, hidden, tied
+    )
 
 
 def shape_from_dir(path: Path) -> Shape:
@@ -80,13 +98,16 @@ def shape_from_dir(path: Path) -> Shape:
         with file.open("rb") as f:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
         params += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
-    return Shape(params, shape.layers, shape.kv_heads, shape.head_dim, "measured: weights file")
+    return replace(shape, params=params, source="measured: weights file")
 
 
-def measure_this_machine(sample_bytes: int = 1 << 30) -> Device:
-    """This machine: its RAM, and its memory bandwidth measured by copying a tensor larger
-    than any cache with every core (bytes read + written per second, best of 5)."""
+def measure_this_machine(sample_bytes: int = 1 << 30, dtype: str = "bfloat16") -> Device:
+    """This machine: its RAM, its memory bandwidth measured by copying a tensor larger than
+    any cache with every core (bytes read + written per second, best of 5), and its matrix
+    multiply FLOP/s in `dtype` (a 2048-square product, best of 5)."""
     import torch
+
+    from .common.models import torch_dtype
 
     memory = 0.0
     for line in Path("/proc/meminfo").read_text().splitlines():
@@ -99,7 +120,17 @@ def measure_this_machine(sample_bytes: int = 1 << 30) -> Device:
         started = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - started)
-    return Device("this-machine", memory, 2 * sample_bytes / best, 1, "measured")
+    del src, dst
+    n = 2048
+    a = torch.randn(n, n).to(torch_dtype("float32" if dtype == "int8" else dtype))
+    fastest = math.inf
+    for _ in range(5):
+        started = time.perf_counter()
+        a @ a
+        fastest = min(fastest, time.perf_counter() - started)
+    return Device(
+        "this-machine", memory, 2 * sample_bytes / best, 2 * n**3 / fastest, 1, "measured"
+    )
 
 
 def expected_tokens(acceptance: float, depth: int) -> float:
@@ -117,6 +148,7 @@ class Load:
     acceptance: float = 0.7  # per draft token
     acceptance_source: str = "assumed"
     target_tokens_per_s: float = 0.0  # per stream; 0: none
+    target_ttft_s: float = 0.0  # 0: none
     max_batch: int = 64
 
 
@@ -138,6 +170,9 @@ def plan(target: Shape, draft: Shape | None, device: Device, load: Load) -> dict
     def step_seconds(batch_size: int) -> float:
         return (weights + batch_size * mean_context * kv_token) / device.bandwidth_bytes_s
 
+    # A verifier spread over several devices (tensor parallel) has their FLOP/s together.
+    prefill_floor = target.prefill_flops(load.prompt_tokens) / (device.flops * devices_for_weights)
+
     out = {
         "target_params": (target.params, target.source),
         "weight_bytes": (weights, "computed"),
@@ -157,6 +192,10 @@ def plan(target: Shape, draft: Shape | None, device: Device, load: Load) -> dict
             1 / step_seconds(max(1, batch)),
             "computed",
         ),
+        "device_flops": (device.flops, device.source),
+        "ttft_floor_s": (prefill_floor, "computed"),
+        "prefill_efficiency": (PREFILL_EFFICIENCY, "assumed"),
+        "ttft_estimate_s": (prefill_floor / PREFILL_EFFICIENCY + step_seconds(batch), "computed"),
         "acceptance_per_draft_token": (load.acceptance, load.acceptance_source),
     }
     if draft is not None:
@@ -182,6 +221,8 @@ def plan(target: Shape, draft: Shape | None, device: Device, load: Load) -> dict
             "speculative_tokens_s_per_stream", out["plain_decode_tokens_s_per_stream_at_batch"]
         )
         out["meets_target_tokens_s"] = (best_rate[0] >= load.target_tokens_per_s, "computed")
+    if load.target_ttft_s:
+        out["meets_target_ttft"] = (out["ttft_estimate_s"][0] <= load.target_ttft_s, "computed")
     return {k: {"value": v, "source": s} for k, (v, s) in out.items()}
 
 

@@ -51,6 +51,12 @@ def test_a_70b_model_by_hand():
     assert value(result, "fits_one_device") is False  # 141 GB of weights > 90% of 141 GB
     assert value(result, "devices_per_verifier_needed") == 2
     assert value(result, "kv_bytes_for_the_load") == 32 * 2560 * 327_680
+    # Prefill: 2 FLOPs per parameter and prompt token, the embedding table and the LM head
+    # (2 * 128256 * 8192, untied) aside but for the last token's logits; on the 2 devices the
+    # weights need, at the H200's 989 TFLOP/s each.
+    flops = 2 * (70_553_706_496 - 2 * 128256 * 8192) * 2048 + 2 * 128256 * 8192
+    assert shape.prefill_flops(2048) == flops == 280_382_968_692_736
+    assert value(result, "ttft_floor_s") == pytest.approx(flops / (2 * 989e12))  # 0.142 s
 
 
 def test_the_default_pair_by_hand():
@@ -72,6 +78,14 @@ def test_the_default_pair_by_hand():
     assert expected_tokens(0.5, 3) == 1.875
     # a draft as large as the target never pays: depth 0, no speedup
     assert value(result, "draft_depth") == 0 and value(result, "speculative_speedup") == 1
+    # The converted target keeps its LM head apart from the embedding table (untied): both
+    # are left out of the per-token FLOPs, the head counts for the last token's logits.
+    assert not target.tied_embeddings
+    table = 151936 * 1536
+    flops = 2 * (target.params - 2 * table) * 1000 + 2 * table
+    assert value(result, "ttft_floor_s") == pytest.approx(flops / 989e12)
+    step = (weights + 16 * 1100 * 28_672) / device.bandwidth_bytes_s  # the batch: 16 streams
+    assert value(result, "ttft_estimate_s") == pytest.approx(flops / 989e12 / 0.5 + step)
 
 
 def test_the_ceiling_bounds_a_decode_measured_here():
@@ -87,6 +101,26 @@ def test_the_ceiling_bounds_a_decode_measured_here():
     ceiling = value(result, "plain_decode_ceiling_tokens_s_per_stream")
     print(f"\nplain decode here: measured {measured:.2f} tokens/s, ceiling {ceiling:.2f} tokens/s")
     assert 0 < measured <= ceiling
+
+
+def test_the_ttft_floor_bounds_a_prefill_measured_here():
+    path = default_target_dir()
+    model = models.load_model(path, "cpu", "bfloat16")
+    ids = torch.randint(1000, 20000, (1, 128))
+    with torch.inference_mode():
+        model(ids[:, :16])  # warm up
+        started = time.perf_counter()
+        model(ids, logits_to_keep=1)
+        measured = time.perf_counter() - started
+    device = measure_this_machine(dtype="bfloat16")
+    result = plan(shape_from_dir(path), None, device, Load(1, 128, 1))
+    floor = value(result, "ttft_floor_s")
+    estimate = value(result, "ttft_estimate_s")
+    print(
+        f"\nprefill of 128 tokens here: measured {measured:.3f} s, floor {floor:.3f} s "
+        f"(matmul {device.flops / 1e9:.0f} GFLOP/s), estimate {estimate:.3f} s"
+    )
+    assert floor <= measured
 
 
 def test_the_command_prints_a_table_and_writes_json(tmp_path):
@@ -105,6 +139,8 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path):
             "64",
             "--target-tokens-per-s",
             "50",
+            "--target-ttft-ms",
+            "500",
             "--out",
             str(out),
         ],
@@ -120,3 +156,5 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path):
     assert result["target_params"]["source"] == "measured: weights file"
     assert result["speculative_speedup"]["value"] > 1
     assert isinstance(result["meets_target_tokens_s"]["value"], bool)
+    assert result["prefill_efficiency"]["source"] == "assumed"
+    assert result["meets_target_ttft"]["value"] is True  # 512 tokens of 1.5B on an H200
