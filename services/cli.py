@@ -169,6 +169,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _rollout(args: argparse.Namespace) -> int:
+    import grpc
+
     from . import rollout
     from .common import models, tls
     from .common.settings import GatewaySettings
@@ -194,13 +196,23 @@ def _rollout(args: argparse.Namespace) -> int:
         tls.configure(settings)
         path, _ = models.resolve(settings.model, settings.model_cache_dir)
         tokenizer = models.load_tokenizer(path)
-        with tls.channel(args.scheduler or settings.scheduler_address) as channel:
-            results = rollout.probe(
-                store,
-                scheduler_pb2_grpc.SchedulerStub(channel),
-                tokenizer.encode,
-                max_tokens=args.max_tokens,
+        address = args.scheduler or settings.scheduler_address
+        try:
+            with tls.channel(address) as channel:
+                results = rollout.probe(
+                    store,
+                    scheduler_pb2_grpc.SchedulerStub(channel),
+                    tokenizer.encode,
+                    max_tokens=args.max_tokens,
+                )
+        except grpc.RpcError as e:
+            print(
+                f"error: the scheduler at {address}: {e.code().name} {e.details()}", file=sys.stderr
             )
+            return 1
+        except (RuntimeError, TimeoutError) as e:  # no such pool; a probe failed or hung
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         print(rollout.render_probe(results))
         if args.out:
             Path(args.out).write_text(rollout.probe_json(results))
@@ -357,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--wait",
         type=float,
         default=0.0,
-        help="wait up to this many seconds for the canary "
-        "pool to run nothing (exit 1 if it does not)",
+        help="wait up to this many seconds for the canary pool to run nothing "
+        "(exit 1 if it does not)",
     )
     rp = rsub.add_parser("probe", help="greedy outputs of both pools on a fixed prompt set")
     rp.add_argument("--scheduler", help="scheduler host:port (default: the gateway's config)")

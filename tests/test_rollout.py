@@ -310,6 +310,12 @@ def test_the_probe_command_fails_below_the_agreement_asked_for(pools, tmp_path):
     assert rollout_cli(pools, "probe", *args, "--min-agreement", "0").returncode == 0
 
 
+def test_a_probe_without_a_canary_pool_says_so(tiny_cluster):
+    run = rollout_cli(tiny_cluster, "probe", "--scheduler", tiny_cluster.procs["scheduler"].address)
+    assert run.returncode == 1 and "no live verifier in the canary pool" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_rollback_during_traffic_fails_nothing_and_mixes_no_stream(stub, store, tokenizer):
     store.set_canary_share(0.5)
     versions = versions_by_pool(stub)
