@@ -209,11 +209,8 @@ def cluster(settings: dict[str, ServiceSettings], addresses: dict[str, str]) -> 
     except ConfigError as e:
         yield Finding("fail", "health", f"cannot dial the services: {e}")
         return
-    serves = {v["address"]: f"; {v.get('pool')} pool, {v.get('version')}" for v in verifiers}
     for name, address in targets:
-        finding = health(name, address)
-        finding.detail += serves.get(address, "")
-        yield finding
+        yield health(name, address)
     if not verifiers:
         yield Finding("fail", "verifiers", "none registered: nothing can be generated")
     yield rollout_finding(verifiers, store.rollout()["canary_share"])
@@ -262,11 +259,28 @@ def health(name: str, address: str, timeout: float = 3.0) -> Finding:
             )
         except grpc.RpcError as e:
             return Finding("fail", f"health {name}", f"{address}: {e.code().name}")
-    serving = status.status == health_pb2.HealthCheckResponse.SERVING
-    state = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+        serving = status.status == health_pb2.HealthCheckResponse.SERVING
+        state = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+        if serving and name.startswith("verifier"):
+            state += serves(channel, timeout)
     return Finding(
         "ok" if serving else "fail",
         f"health {name}",
         f"{address}: {state}"
         + ("" if serving else ": see its log (Redis reachable? model loaded?)"),
     )
+
+
+def serves(channel, timeout: float) -> str:
+    """What a verifier serves, from its Status: pool, model version, sha256, config."""
+    import grpc
+
+    from .v1 import verifier_pb2, verifier_pb2_grpc
+
+    try:
+        st = verifier_pb2_grpc.VerifierStub(channel).Status(
+            verifier_pb2.VerifierStatusRequest(), timeout=timeout
+        )
+    except grpc.RpcError as e:
+        return f"; status: {e.code().name}"
+    return f"; {st.pool} pool, {st.model_version} (sha256 {st.sha256[:16]}), config {st.config}"

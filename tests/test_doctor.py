@@ -41,11 +41,26 @@ def test_a_healthy_cluster_passes(tiny_cluster):
     verifier = tiny_cluster.procs["verifier"].address
     drafter = tiny_cluster.procs["drafter"].address
     assert found[f"health verifier {verifier}"[:28]] == "ok"
-    assert "stable pool, " in run.stdout  # what each verifier serves
+    assert "stable pool, " in run.stdout  # what each verifier serves (its Status)
     assert found["rollout"] == "ok"
     assert found[f"health drafter {drafter}"[:28]] == "ok"
     assert found["redis"] == "warn"  # the tests' Redis keeps nothing on disk: said, with why
     assert "appendonly=no" in run.stdout
+
+
+def test_the_health_probe_of_a_verifier_says_what_it_serves(tiny_cluster):
+    port = str(tiny_cluster.procs["verifier"].port)
+    run = subprocess.run(
+        [sys.executable, "-m", "specserve.cli", "--config", str(tiny_cluster.config_path)]
+        + ["health", "verifier", "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    model = tiny_cluster.config["verifier"]["model"]["path"].rstrip("/").rsplit("/", 1)[-1]
+    assert "SERVING; stable pool, " + model + ":" in run.stdout
+    assert "sha256 " in run.stdout and "config " in run.stdout
 
 
 def test_no_redis_and_expiring_certificates_are_reported(tmp_path, tiny_model_dir):
