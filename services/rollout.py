@@ -105,14 +105,13 @@ def rollback(
     while running and time.monotonic() < deadline:
         time.sleep(0.5)
         running = canary_running(store)
-    if running and wait_seconds:
+    if not running:
+        out("the canary pool runs nothing: it can be removed")
+        return 0
+    if wait_seconds:
         out(f"{running} requests still run on the canary pool after {wait_seconds:g}s")
         return 1
-    out(
-        "the canary pool runs nothing: it can be removed"
-        if not running
-        else f"{running} requests finish on the canary pool (`specserve rollout status`)"
-    )
+    out(f"{running} requests finish on the canary pool (`specserve rollout status`)")
     return 0
 
 
@@ -146,19 +145,17 @@ def agreement(results: list[ProbeResult]) -> dict:
     }
 
 
-def collect(store: RequestStore, rid: str, timeout: float) -> tuple[list[int], dict, set[str]]:
-    """A request's tokens, final info and the versions its stream entries name."""
+def collect(store: RequestStore, rid: str, timeout: float) -> tuple[list[int], dict]:
+    """A request's tokens and final info, read off its output stream."""
     ids: list[int] = []
-    versions: set[str] = set()
     last, deadline = "0-0", time.monotonic() + timeout
     while time.monotonic() < deadline:
         for entry_id, fields in store.tail(rid, last, 1000):
             last = entry_id
             if fields.get("ids"):
                 ids.extend(int(t) for t in fields["ids"].split(","))
-                versions.add(fields.get("v", ""))
             if "final" in fields:
-                return ids, json.loads(fields["final"]), versions
+                return ids, json.loads(fields["final"])
     raise TimeoutError(f"probe {rid} did not finish within {timeout:g}s")
 
 
@@ -193,7 +190,7 @@ def probe(
             submitted.append((i, pool, rid))
     results = [ProbeResult(p, {}, {}) for p in prompts]
     for i, pool, rid in submitted:
-        ids, final, _ = collect(store, rid, timeout)
+        ids, final = collect(store, rid, timeout)
         if final.get("finish_reason") == "FINISH_REASON_ERROR":
             raise RuntimeError(f"probe in the {pool} pool failed: {final.get('error', '')}")
         results[i].outputs[pool] = ids
