@@ -101,14 +101,15 @@ def accelerators(verifier) -> Iterator[Finding]:
 
 
 def free_memory_bytes(device: str) -> float:
-    if device == "cuda":
-        import torch
+    """Free memory of the verifier's device (0 if it cannot be read)."""
+    import torch
 
-        return float(torch.cuda.mem_get_info()[0])
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return float(line.split()[1]) * 1024
-    return 0.0
+    from .verifier.admission import free_memory_bytes as free
+
+    try:
+        return float(free(torch.device(device)))
+    except RuntimeError:
+        return 0.0
 
 
 def model_files(settings: dict[str, ServiceSettings]) -> Iterator[Finding]:
@@ -219,15 +220,12 @@ def cluster(settings: dict[str, ServiceSettings], addresses: dict[str, str]) -> 
 def rollout_finding(verifiers: list[dict], canary_share: float) -> Finding:
     """Which versions serve which share; a warning where a pool serves several versions or
     the share names a pool with no live verifier (its requests wait)."""
-    from .common.rollout import CANARY, STABLE, pool_shares
+    from .common import rollout
 
-    versions: dict[str, set[str]] = {}
-    for v in verifiers:
-        versions.setdefault(v.get("pool", "stable"), set()).add(v.get("version", "?"))
-    shares = pool_shares(set(versions), canary_share)
+    versions = {pool: rollout.versions(m) for pool, m in rollout.by_pool(verifiers).items()}
+    shares = rollout.pool_shares(set(versions), canary_share)
     detail = "; ".join(
-        f"{pool} {shares.get(pool, 0):.0%}: {', '.join(sorted(vs))}"
-        for pool, vs in sorted(versions.items())
+        f"{pool} {shares.get(pool, 0):.0%}: {', '.join(vs)}" for pool, vs in versions.items()
     )
     mixed = [pool for pool, vs in versions.items() if len(vs) > 1]
     if mixed:
@@ -237,7 +235,7 @@ def rollout_finding(verifiers: list[dict], canary_share: float) -> Finding:
             f"{detail}: {', '.join(mixed)} serves several versions "
             "(mid-upgrade?); requests stay on the version they started on",
         )
-    wanted = CANARY if canary_share >= 1 else STABLE if canary_share <= 0 else None
+    wanted = rollout.CANARY if canary_share >= 1 else rollout.STABLE if canary_share <= 0 else None
     if versions and wanted and wanted not in versions:
         return Finding(
             "warn",

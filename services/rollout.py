@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from .common.rollout import CANARY, POOLS, STABLE, pool_shares
+from .common.rollout import CANARY, POOLS, STABLE, by_pool, pool_shares, versions
 from .common.store import RequestStore
 from .v1 import common_pb2, scheduler_pb2
 
@@ -39,10 +39,7 @@ PROBES = (
 
 def pools(store: RequestStore) -> dict[str, list[dict[str, str]]]:
     """Live verifiers by pool."""
-    out: dict[str, list[dict[str, str]]] = {}
-    for v in store.live_verifiers():
-        out.setdefault(v.get("pool", STABLE), []).append(v)
-    return out
+    return by_pool(store.live_verifiers())
 
 
 def status(store: RequestStore) -> dict:
@@ -56,13 +53,13 @@ def status(store: RequestStore) -> dict:
         "pools": {
             name: {
                 "share": shares.get(name, 0.0),
-                "versions": sorted({v.get("version", "") for v in members}),
+                "versions": versions(members),
                 "configs": sorted({v.get("config", "") for v in members}),
                 "verifiers": [v["id"] for v in members],
                 "drafters": len(store.drafters(name)),
                 "running": sum(int(v.get("running", 0)) for v in members),
             }
-            for name, members in sorted(live.items())
+            for name, members in live.items()
         },
     }
 
@@ -146,16 +143,13 @@ def agreement(results: list[ProbeResult]) -> dict:
 
 
 def collect(store: RequestStore, rid: str, timeout: float) -> tuple[list[int], dict]:
-    """A request's tokens and final info, read off its output stream."""
-    ids: list[int] = []
+    """A request's tokens (each index once) and final info, once it has ended."""
     last, deadline = "0-0", time.monotonic() + timeout
     while time.monotonic() < deadline:
         for entry_id, fields in store.tail(rid, last, 1000):
-            last = entry_id
-            if fields.get("ids"):
-                ids.extend(int(t) for t in fields["ids"].split(","))
             if "final" in fields:
-                return ids, json.loads(fields["final"])
+                return store.progress(rid), json.loads(fields["final"])
+            last = entry_id
     raise TimeoutError(f"probe {rid} did not finish within {timeout:g}s")
 
 

@@ -16,6 +16,19 @@ def bucket(request_id: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
+def by_pool(verifiers: list[dict[str, str]]) -> dict[str, list[dict[str, str]]]:
+    """Registry rows of live verifiers by pool (in pool name order)."""
+    out: dict[str, list[dict[str, str]]] = {}
+    for v in verifiers:
+        out.setdefault(v.get("pool", STABLE), []).append(v)
+    return dict(sorted(out.items()))
+
+
+def versions(members: list[dict[str, str]]) -> list[str]:
+    """The model versions a pool's verifiers serve (one, unless it is mid-upgrade)."""
+    return sorted({v.get("version", "") for v in members})
+
+
 def pool_shares(live: set[str], canary_share: float) -> dict[str, float]:
     """The share of new requests each live pool gets. A share of 0 (rolled back) or 1
     (promoted) is kept even when the pool it names has no live verifier (requests wait for

@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 from ..common import models, telemetry
 from ..common.grpc_server import Server, retrying_channel
-from ..common.rollout import pool_shares
+from ..common.rollout import by_pool, pool_shares, versions
 from ..common.settings import GatewaySettings
 from ..common.store import RequestStore
 from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -475,18 +475,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             verifiers, rollout = self.store.live_verifiers(), self.store.rollout()
         except redis.RedisError:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the registry is unavailable; retry")
-        pools: dict[str, list[dict]] = {}
-        for v in verifiers:
-            pools.setdefault(v.get("pool", "stable"), []).append(v)
+        pools = by_pool(verifiers)
         shares = pool_shares(set(pools), rollout["canary_share"])
         return [
             generation_pb2.ServedPool(
                 pool=name,
-                model_versions=sorted({v.get("version", "") for v in members}),
+                model_versions=versions(members),
                 verifiers=len(members),
                 share=shares.get(name, 0.0),
             )
-            for name, members in sorted(pools.items())
+            for name, members in pools.items()
         ]
 
 

@@ -169,7 +169,7 @@ class Placer:
         # Requeued requests whose model version no live verifier serves: request id ->
         # (class, queue entry, version, since when). They wait aside: their class goes on.
         self.parked: dict[str, tuple[str, tuple[str, str], str, float]] = {}
-        self.canary_share = 0.0
+        self.canary_share: float | None = None  # this pass's rollout share (see _pin)
         self._next_expiry = 0.0
         self._next_reclaim = 0.0
         self.stop = threading.Event()
@@ -241,6 +241,9 @@ class Placer:
         """Parked requests go back to the head of their class once a verifier of their
         version is live; past `version_wait_seconds` they fail (they cannot go on elsewhere
         without mixing versions in one stream)."""
+        metrics.PARKED.set(len(self.parked))
+        if not self.parked:
+            return
         live = {v.get("version", "") for v in self.store.live_verifiers()}
         now = time.monotonic()
         for rid, (cls, entry, version, since) in list(self.parked.items()):
@@ -265,7 +268,12 @@ class Placer:
         idle_ms = int(self.settings.reclaim_idle_seconds * 1000)
         for cls in QUEUE_CLASSES:
             entries = self.store.reclaim(cls, self.consumer, idle_ms)
-            queued = [e for e in entries if getattr(self.store.get(e[1]), "status", "") == "queued"]
+            known = {eid for eid, _ in self.waiting[cls]}  # waiting here already: no lookup
+            queued = [
+                e
+                for e in entries
+                if e[0] not in known and getattr(self.store.get(e[1]), "status", "") == "queued"
+            ]
             if added := self._add_waiting(cls, queued):
                 metrics.RECLAIMED.inc(added)
                 log.info("reclaimed", extra={"class": cls, "entries": added})
@@ -273,8 +281,7 @@ class Placer:
     def place_some(self) -> bool:
         """Places waiting requests until none fits; True if any was placed."""
         loads = parse_verifiers(self.store.live_verifiers())
-        self.canary_share = self.store.rollout()["canary_share"]
-        metrics.CANARY_SHARE.set(self.canary_share)
+        self.canary_share = None  # read once per pass, when a request first needs it
         placed, blocked = False, set()
         if not loads:
             blocked.update(QUEUE_CLASSES)
@@ -336,7 +343,7 @@ class Placer:
                 self._fail(rec, cls, eligible)  # it would block its class until it times out
                 continue
             result = None
-            candidates = loads
+            candidates = eligible
             trace_ctx = telemetry.from_traceparent(spec.get("traceparent", ""))
             while result is None:
                 target = choose_verifier(candidates, want)
@@ -365,10 +372,13 @@ class Placer:
         its id falls in."""
         if rec.generated and rec.version:
             want.version = rec.version
+        elif rec.spec.get("pool"):
+            want.pool = rec.spec["pool"]
         else:
-            want.pool = rec.spec.get("pool") or choose_pool(
-                rec.request_id, self.canary_share, live_pools
-            )
+            if self.canary_share is None:
+                self.canary_share = self.store.rollout()["canary_share"]
+                metrics.CANARY_SHARE.set(self.canary_share)
+            want.pool = choose_pool(rec.request_id, self.canary_share, live_pools)
 
     def expire_waiting(self) -> None:
         """Ends queued requests past their class timeout, and any whose deadline passed."""

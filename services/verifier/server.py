@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from ..common import models, telemetry
 from ..common.capacity import kv_need
@@ -143,7 +144,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         if grant is None:  # a concurrent Admit of the same request (a retry) is admitting it
             return self._held(rid)
         seq.admitted_ms = now_ms()
-        seq.trace_ctx = otel_context.get_current()
+        if trace.get_current_span().get_span_context().is_valid:  # traced (tracing is on)
+            seq.trace_ctx = otel_context.get_current()
         try:
             claimed = self.store.claim(
                 rid, self.verifier_id, seq.admitted_ms, self.served.version, self.served.pool
