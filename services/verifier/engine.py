@@ -28,7 +28,7 @@ from .acceptance import accept
 from .admission import Admission, CachedPrefix, Grant
 from .runner import ModelRunner
 from .sampling import make_generator
-from .sequence import Sequence
+from .sequence import Committed, Sequence
 from .speculator import Speculator
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class Engine:
         verifier_id: str = "",
         served: dict[str, str] | None = None,
         prefix_cache: bool = True,
+        max_failed_steps: int = 3,
     ):
         self.runner = runner
         self.speculator = speculator
@@ -74,6 +75,8 @@ class Engine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.steps = 0
+        self.max_failed_steps = max_failed_steps
+        self.failed_steps = 0  # steps in a row that failed for every sequence in them
         self.tick = time.monotonic()  # when the loop last went round (the wedge check)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -140,15 +143,30 @@ class Engine:
         while not self._stop.is_set():
             self.tick = time.monotonic()
             self._take_new(block=not self.running)
-            if self.running:
-                try:
-                    self.step()
-                except redis.RedisError:
-                    log.exception("redis error in step; retrying")
-                    self._stop.wait(0.5)
-                except Exception:  # a bug must not silently end the loop of every request
-                    log.exception("step failed; retrying")
-                    self._stop.wait(0.5)
+            if not self.running:
+                continue
+            try:
+                ok = self.step()
+            except redis.RedisError as e:  # the tokens stay in memory and are written later
+                log.warning("redis error in step; retrying", extra={"error": describe(e)})
+                self._stop.wait(0.5)
+                continue
+            except Exception as e:
+                ok = False
+                self._fail_running(e)
+            if not ok:
+                metrics.FAILED_STEPS.inc()
+            self.failed_steps = 0 if ok else self.failed_steps + 1
+
+    def _fail_running(self, error: Exception) -> None:
+        """A step failed outside any one sequence's part: every running sequence ends with
+        the error (with the tokens it has); none is retried forever."""
+        log.exception("step failed", extra={"requests": len(self.running)})
+        for seq in self.running.values():
+            if not seq.finish_reason:
+                seq.finish_reason = "FINISH_REASON_ERROR"
+                seq.error = f"the verifier's step failed: {describe(error)}"
+                metrics.FAILED_SEQUENCES.inc()
 
     def _take_new(self, block: bool) -> None:
         try:
@@ -165,59 +183,125 @@ class Engine:
             except queue.Empty:
                 return
 
-    def step(self) -> None:
+    def step(self) -> bool:
         """Plan, draft, verify, accept, emit: one forward pass for every running sequence.
-        The step's span goes in the trace of its first traced sequence, linked to the others'."""
+        The step's span goes in the trace of its first traced sequence, linked to the others'.
+        False when the step failed for every sequence in it."""
         plan = self._plan()
+        ok = True
         if plan:
             traced = [s.trace_ctx for s, _ in plan if s.trace_ctx is not None]
             links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in traced[1:]]
             with telemetry.tracer.start_as_current_span(
                 "verifier.step", context=traced[0] if traced else None, links=links
             ) as span:
-                self._forward(plan, span)
+                ok = self._forward(plan, span)
         self.steps += 1
         metrics.STEPS.inc()
         self._emit(list(self.running.values()))
+        return ok
 
-    def _forward(self, plan: list[tuple[Sequence, int]], span: trace.Span) -> None:
-        """Draft, verify and accept for the planned sequences."""
+    def _forward(self, plan: list[tuple[Sequence, int]], span: trace.Span) -> bool:
+        """Draft, verify and accept for the planned sequences. A failure is the failing
+        sequence's alone: it ends with FINISH_REASON_ERROR, its KV back at its last committed
+        length, while the rest of the batch goes on as if it had never been there."""
         seqs, takes = [s for s, _ in plan], [t for _, t in plan]
         complete = [take == seq.num_pending for seq, take in plan]
-        prefilling = [seq.prefilling for seq in seqs]  # (before the forward pass moves on)
+        before = [Committed.of(seq) for seq in seqs]  # (before the forward pass moves on)
+        prefilling = [seq.prefilling for seq in seqs]
         metrics.BATCH_SIZE.observe(len(seqs))
         prefill = sum(t for (s, t) in plan if s.prefilling)
         first_token = any(
             s.prefilling and done and s.queue == "interactive"
             for (s, _), done in zip(plan, complete, strict=True)
         )
-        with telemetry.tracer.start_as_current_span("verifier.draft"), metrics.DRAFT_SECONDS.time():
-            trees = self.speculator.propose(seqs, prefill, first_token)
+        trees = self._propose(seqs, prefill, first_token)
         span.set_attributes(
             {"batch_size": len(seqs), "prefill_tokens": prefill, "tree_nodes": sum(map(len, trees))}
         )
-        try:
-            started = time.perf_counter()
-            with telemetry.tracer.start_as_current_span("verifier.verify"):
-                logits = self.runner.verify(seqs, trees, takes)
-            elapsed = time.perf_counter() - started
-            metrics.VERIFY_SECONDS.observe(elapsed)
-            self.speculator.observe_step(sum(takes) + sum(map(len, trees)), elapsed, prefill)
-        except (RuntimeError, torch.OutOfMemoryError) as e:
-            log.exception("forward failed", extra={"requests": len(seqs)})
-            for seq in seqs:
-                seq.finish_reason, seq.error = "FINISH_REASON_ERROR", f"forward failed: {e}"
-            return
+        started = time.perf_counter()
+        with telemetry.tracer.start_as_current_span("verifier.verify"):
+            logits = self._verify(seqs, trees, takes, before)
+        elapsed = time.perf_counter() - started
+        metrics.VERIFY_SECONDS.observe(elapsed)
+        self.speculator.observe_step(sum(takes) + sum(map(len, trees)), elapsed, prefill)
         accepted = 0
-        for seq, tree, rows, done, prefilled in zip(
-            seqs, trees, logits, complete, prefilling, strict=True
+        for seq, tree, rows, done, was, prefilled in zip(
+            seqs, trees, logits, complete, before, prefilling, strict=True
         ):
-            if not done:  # a prefill chunk: no token until the prompt is all in
-                continue
-            if prefilled:
-                self._prefill_span(seq)
-            accepted += self._accept(seq, tree, rows)
+            if isinstance(rows, Exception):
+                self._fail(seq, was, f"the forward pass failed: {describe(rows)}")
+            elif done:  # (a prefill chunk yields no token until the prompt is all in)
+                if prefilled:
+                    self._prefill_span(seq)
+                accepted += self._settle(seq, tree, rows, was)
         span.set_attribute("accepted_tokens", accepted)
+        return not all(s.finish_reason == "FINISH_REASON_ERROR" for s in seqs)
+
+    def _propose(self, seqs: list[Sequence], prefill: int, first_token: bool) -> list[DraftTree]:
+        """The step's draft trees; none (plain decoding) if drafting itself breaks."""
+        with telemetry.tracer.start_as_current_span("verifier.draft"), metrics.DRAFT_SECONDS.time():
+            try:
+                return self.speculator.propose(seqs, prefill, first_token)
+            except Exception:  # drafting is an optimisation: the step runs plainly
+                log.exception("drafting failed; this step runs without drafts")
+                return [DraftTree() for _ in seqs]
+
+    def _verify(
+        self, seqs, trees, takes, before: list[Committed]
+    ) -> list[torch.Tensor | Exception]:
+        """Target logits per sequence from one forward pass over the batch. If that pass
+        fails, each sequence runs alone, so that the error lands only on the sequences that
+        cause it; the others get the rows they would have got."""
+        try:
+            return self.runner.verify(seqs, trees, takes)
+        except Exception as e:
+            for seq, was in zip(seqs, before, strict=True):
+                was.rewind(seq)
+            if len(seqs) == 1:
+                return [e]
+            log.warning(
+                "batched forward pass failed; running its sequences one by one",
+                extra={"requests": len(seqs), "error": describe(e)},
+            )
+        results: list[torch.Tensor | Exception] = []
+        for seq, tree, take, was in zip(seqs, trees, takes, before, strict=True):
+            try:
+                results.append(self.runner.verify([seq], [tree], [take])[0])
+            except Exception as e:
+                was.rewind(seq)
+                results.append(e)
+        return results
+
+    def healthy(self) -> bool:
+        """False once `max_failed_steps` steps in a row failed for every sequence in them:
+        then the model, the device or the loop is broken, not one request."""
+        return self.failed_steps < self.max_failed_steps
+
+    def _settle(self, seq: Sequence, tree: DraftTree, rows: torch.Tensor, was: Committed) -> int:
+        """Accepts, commits and appends one sequence's tokens; a failure ends that sequence
+        alone. Returns how many draft tokens it accepted."""
+        try:
+            if not bool(torch.isfinite(rows).all()):
+                raise NonFiniteLogits(
+                    "the target's logits are not finite (NaN or inf) for this request's "
+                    f"tokens; a {self.runner.model.dtype} overflow? float32 or bfloat16 avoid it"
+                )
+            return self._accept(seq, tree, rows)
+        except Exception as e:
+            if not isinstance(e, NonFiniteLogits):
+                log.exception("step failed for one request", extra={"request_id": seq.request_id})
+            self._fail(seq, was, describe(e))
+            return 0
+
+    def _fail(self, seq: Sequence, was: Committed, why: str) -> None:
+        """Ends a sequence with FINISH_REASON_ERROR at its state before this step: its KV and
+        output go back to what was committed; its slot and reservation go when it retires."""
+        was.rewind(seq)
+        del seq.output_ids[was.outputs :]
+        seq.finish_reason, seq.error = "FINISH_REASON_ERROR", why
+        metrics.FAILED_SEQUENCES.inc()
+        log.warning("request failed in a step", extra={"request_id": seq.request_id, "error": why})
 
     @staticmethod
     def _prefill_span(seq: Sequence) -> None:
@@ -356,6 +440,16 @@ class Engine:
             self.running.pop(seq.request_id, None)
             cancelled_at = self._cancel.pop(seq.request_id, None)
         return None if cancelled_at is None else self.steps - cancelled_at
+
+
+class NonFiniteLogits(ValueError):
+    """The target's logits for a sequence hold NaN or inf."""
+
+
+def describe(error: BaseException) -> str:
+    """An error's type and first line, short enough for a client to read."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

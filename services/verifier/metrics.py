@@ -71,3 +71,11 @@ MODEL = Gauge(
     "The target model this verifier serves (always 1; the labels say which).",
     ["model", "sha256", "version", "pool"],
 )
+FAILED_SEQUENCES = Counter(
+    "specserve_verifier_failed_sequences_total",
+    "Sequences ended with FINISH_REASON_ERROR by a failure in their step.",
+)
+FAILED_STEPS = Counter(
+    "specserve_verifier_failed_steps_total",
+    "Steps that failed for every sequence in them (health turns NOT_SERVING after a few).",
+)

@@ -7,12 +7,21 @@ from dataclasses import dataclass
 import torch
 
 
+# Below this temperature sampling is greedy: logits / T would overflow float32 for T near 0
+# (T = 1e-40 makes every logit inf), and what it approaches is the argmax anyway.
+GREEDY_BELOW = 1e-3
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy; so is anything below GREEDY_BELOW
     top_p: float = 0.0  # 0 or 1 = off
     top_k: int = 0  # 0 = off
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:

@@ -138,3 +138,19 @@ class Sequence:
             },
             "error": self.error,
         }
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A sequence's progress at the start of a step: what a failure in the step rewinds to."""
+
+    kv_length: int
+    outputs: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> Committed:
+        return cls(seq.num_computed, len(seq.output_ids))
+
+    def rewind(self, seq: Sequence) -> None:
+        if seq.kv is not None:
+            seq.kv.truncate(self.kv_length)

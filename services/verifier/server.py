@@ -288,6 +288,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         {
             "redis reachable": store.ping,
             "decode loop going round": lambda: engine.alive(settings.stall_seconds),
+            "steps succeeding": engine.healthy,
         }
     )
     log.info(

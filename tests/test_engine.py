@@ -1,0 +1,290 @@
+"""The verifier's Engine itself, step by step, against a real private Redis and the tiny model:
+
+- a failure in a step (forward pass, non-finite logits, acceptance) ends only the sequence it
+  belongs to, with FINISH_REASON_ERROR and a message, its slot and reservation freed, while the
+  rest of the batch stays token-identical to Hugging Face `generate`;
+- steps that fail for everyone turn health NOT_SERVING; nothing retries forever;
+- EOS, a stop string and max_tokens that land inside an accepted draft prefix end the output
+  exactly where `generate` ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from helpers import make_sequence
+from specserve.common import models
+from specserve.common.flat_model import FlatModel
+from specserve.common.store import RequestStore
+from specserve.drafter.proposers import DraftJob, DraftModelProposer, TreeShape
+from specserve.local_cluster import LocalCluster
+from specserve.verifier import engine as engine_module
+from specserve.verifier.admission import Admission
+from specserve.verifier.engine import Engine
+from specserve.verifier.reference import hf_greedy
+from specserve.verifier.runner import ModelRunner
+from specserve.verifier.sampling import SamplingParams
+
+VID = "verifier-under-test"
+PROMPTS = [[9707, 11, 1879, 0, 9707], [750, 75698, 1445, 982], [1, 2, 3, 4, 5, 1, 2]]
+POISON = 4242  # a token whose embedding is inf: every logit after it is NaN
+
+
+@pytest.fixture
+def store(tmp_path):
+    cluster = LocalCluster({}, tmp_path)
+    cluster.start_redis()
+    yield RequestStore.from_url(cluster.redis_url)
+    cluster.kill_redis()
+
+
+@pytest.fixture(scope="module")
+def poisoned(tiny_model_dir):
+    """The tiny target with an untied LM head and one input embedding set to inf: a model that
+    overflows on one input, as float16 does on some."""
+    model = models.load_model(tiny_model_dir, "cpu", "float32")
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.model.embed_tokens.weight[POISON] = float("inf")
+    return model
+
+
+class TargetDrafts:
+    """The Engine's speculator, drafting chains of `depth` with the target itself, so every
+    draft is accepted and the output ends inside an accepted prefix."""
+
+    def __init__(self, model, depth: int):
+        self.proposer = DraftModelProposer(FlatModel(model), TreeShape(max_depth=depth, branching=1, width=1))
+        self.depth = depth
+
+    def propose(self, seqs, other_tokens=0, first_token=False):
+        jobs = [DraftJob(s.request_id, s.all_ids, 0 if s.prefilling else self.depth) for s in seqs]
+        return self.proposer.propose(jobs)
+
+    def observe_step(self, *args) -> None:
+        pass
+
+    def observe_acceptance(self, seq, accepted: int, tested: int) -> None:
+        seq.tested += tested
+
+    def forget(self, seq) -> None:
+        self.proposer.forget(seq.request_id)
+
+
+class NoDrafts(TargetDrafts):
+    def __init__(self):
+        pass
+
+    def propose(self, seqs, other_tokens=0, first_token=False):
+        from specserve.common.tree import DraftTree
+
+        return [DraftTree() for _ in seqs]
+
+    def forget(self, seq) -> None:
+        pass
+
+
+def make_engine(model, store, speculator=None, eos_ids=(), decode=None) -> Engine:
+    return Engine(
+        ModelRunner(FlatModel(model)),
+        speculator or NoDrafts(),
+        store,
+        Admission(kv_budget=100_000, batch_size=8, interactive_reserved_slots=0),
+        max_seq_len=2048,
+        max_prefill_tokens=512,
+        eos_ids=set(eos_ids),
+        decode=decode or (lambda ids: ""),
+        verifier_id=VID,
+    )
+
+
+def admit(engine: Engine, store: RequestStore, rid: str, prompt, max_tokens=12, **kw):
+    """Creates, claims and admits a request, as the scheduler and Verifier.Admit do."""
+    store.create(rid, {"prompt_ids": prompt, "max_tokens": max_tokens}, "interactive", 100)
+    assert store.claim(rid, VID, int(time.time() * 1000)) == 1
+    seq = make_sequence(prompt, max_tokens=max_tokens, rid=rid)
+    for name, value in kw.items():
+        setattr(seq, name, value)
+    grant = engine.admission.admit(rid, "interactive", len(prompt) + max_tokens)
+    engine.admit(seq, grant)
+    return seq
+
+
+def run(engine: Engine, limit: int = 200) -> int:
+    """Steps the engine until nothing runs; returns the steps taken."""
+    engine._take_new(block=False)
+    for steps in range(1, limit + 1):
+        engine.step()
+        if not engine.running:
+            return steps
+    raise AssertionError(f"still running after {limit} steps")
+
+
+def final_of(store: RequestStore, rid: str) -> dict:
+    last = store.r.xrevrange(f"specserve:out:{rid}", count=1)
+    assert last and "final" in last[0][1], f"{rid} has no final entry"
+    return json.loads(last[0][1]["final"])
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_non_finite_logits_end_only_their_sequence(poisoned, store, sampled):
+    engine = make_engine(poisoned, store)
+    seqs = [admit(engine, store, f"ok{i}", p) for i, p in enumerate(PROMPTS)]
+    bad = admit(engine, store, "bad", [5, 6, POISON, 7], max_tokens=12)
+    if sampled:  # sampling from NaN probabilities raised, and the step was retried forever
+        bad.params = SamplingParams(temperature=1.0, seed=1)
+    run(engine)
+    assert bad.finish_reason == "FINISH_REASON_ERROR" and bad.output_ids == []
+    assert "not finite" in bad.error
+    final = final_of(store, "bad")
+    assert final["finish_reason"] == "FINISH_REASON_ERROR" and "not finite" in final["error"]
+    assert store.get("bad").status == "failed"
+    for seq, prompt in zip(seqs, PROMPTS, strict=True):
+        assert seq.output_ids == hf_greedy(poisoned, prompt, 12), seq.request_id
+        assert store.get(seq.request_id).status == "finished"
+    assert engine.admission.load()["running"] == 0  # every slot and reservation went back
+    assert engine.healthy()
+
+
+def test_a_failing_forward_pass_is_attributed_to_its_sequence(tiny_model, store):
+    engine = make_engine(tiny_model, store)
+    seqs = [admit(engine, store, f"ok{i}", p) for i, p in enumerate(PROMPTS)]
+    vocab = tiny_model.config.vocab_size
+    bad = admit(engine, store, "bad", [5, vocab + 7, 6])  # past the embedding table
+    steps = run(engine)
+    assert bad.finish_reason == "FINISH_REASON_ERROR"
+    assert "forward pass failed" in final_of(store, "bad")["error"]
+    for seq, prompt in zip(seqs, PROMPTS, strict=True):
+        assert seq.output_ids == hf_greedy(tiny_model, prompt, 12)
+    assert steps == 12  # the others were not held back: 1 prefill step + 11 decode steps
+    assert engine.admission.load()["running"] == 0 and engine.healthy()
+
+
+def test_a_failure_in_acceptance_rewinds_and_ends_only_its_sequence(tiny_model, store, monkeypatch):
+    real_accept = engine_module.accept
+    calls = {"bad": 0, "before": -1}
+    held = {}
+
+    def failing_accept(tree, logits, params, generator):
+        if params.top_k == 7:  # marks the sequence to fail, on its 4th step
+            calls["bad"] += 1
+            if calls["bad"] == 4:
+                calls["before"] = len(held["bad"].output_ids)
+                raise RuntimeError("acceptance broke")
+        return real_accept(tree, logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "accept", failing_accept)
+    engine = make_engine(tiny_model, store, TargetDrafts(tiny_model, depth=3))
+    seqs = [admit(engine, store, f"ok{i}", p, max_tokens=20) for i, p in enumerate(PROMPTS)]
+    bad = admit(engine, store, "bad", [8, 9, 10, 11], max_tokens=40)
+    bad.params = SamplingParams(top_k=7)  # greedy still; top_k only marks it
+    held["bad"] = bad
+    run(engine)
+    assert bad.finish_reason == "FINISH_REASON_ERROR" and "acceptance broke" in bad.error
+    # the prompt's step (1 token), two steps of 3 accepted drafts + 1, nothing of the fourth
+    assert calls["before"] == len(bad.output_ids) == 9
+    assert bad.output_ids == hf_greedy(tiny_model, [8, 9, 10, 11], 40)[:9]
+    assert store.progress("bad") == bad.output_ids
+    assert bad.kv is None  # released
+    for seq, prompt in zip(seqs, PROMPTS, strict=True):
+        assert seq.output_ids == hf_greedy(tiny_model, prompt, 20)
+        assert seq.accepted > 0
+    assert engine.admission.load()["running"] == 0
+
+
+def test_a_temperature_near_zero_is_greedy(tiny_model, store):
+    assert SamplingParams(temperature=1e-40).greedy
+    assert SamplingParams(temperature=9e-4, seed=3).greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+    engine = make_engine(tiny_model, store)
+    seq = admit(engine, store, "cold", PROMPTS[0])
+    seq.params = SamplingParams(temperature=1e-40, seed=5)
+    run(engine)
+    assert seq.finish_reason == "FINISH_REASON_LENGTH"
+    assert seq.output_ids == hf_greedy(tiny_model, PROMPTS[0], 12)
+
+
+def test_steps_that_fail_for_everyone_turn_health_off_and_end_their_requests(
+    tiny_model, store, monkeypatch
+):
+    engine = make_engine(tiny_model, store)
+
+    def broken(seqs, trees, takes=None):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "verify", broken)
+    engine.start()
+    try:
+        for i in range(engine.max_failed_steps):
+            admit(engine, store, f"r{i}", PROMPTS[0])
+            deadline = time.monotonic() + 30
+            while store.get(f"r{i}").status != "failed":
+                assert time.monotonic() < deadline, "the request did not fail in time"
+                time.sleep(0.02)
+            assert "device lost" in final_of(store, f"r{i}")["error"]
+        deadline = time.monotonic() + 30
+        while engine.healthy():
+            assert time.monotonic() < deadline, "health stayed on"
+            time.sleep(0.02)
+        monkeypatch.undo()  # the device is back: the next good step turns health on
+        admit(engine, store, "after", PROMPTS[1])
+        deadline = time.monotonic() + 60
+        while store.get("after").status != "finished":
+            assert time.monotonic() < deadline, "the request after recovery did not finish"
+            time.sleep(0.02)
+        assert engine.healthy()
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return hf_greedy(tiny_model, PROMPTS[1], 30)
+
+
+def new_token_at(reference: list[int]) -> int:
+    """The first index past 1 whose token did not come before: with chains of 6, the prompt's
+    step emits token 0 and the next step tokens 1..7, so it lies inside that step's chain."""
+    found = [i for i in range(2, 7) if reference[i] not in reference[:i]]
+    assert found, f"the tiny model's output has no new token among its first 7: {reference}"
+    return found[0]
+
+
+def test_eos_inside_an_accepted_prefix(tiny_model, store, reference):
+    first = new_token_at(reference)
+    eos = reference[first]
+    engine = make_engine(tiny_model, store, TargetDrafts(tiny_model, depth=6), eos_ids=[eos])
+    seq = admit(engine, store, "eos", PROMPTS[1], max_tokens=30)
+    steps = run(engine)
+    expected = hf_greedy(tiny_model, PROMPTS[1], 30, eos_token_id=eos)
+    assert seq.output_ids == expected == reference[: first + 1]
+    assert seq.finish_reason == "FINISH_REASON_EOS"
+    assert steps == 2  # the prompt's step gave token 0; the next step's chain held the EOS
+    assert store.progress("eos") == expected
+
+
+def test_a_stop_string_inside_an_accepted_prefix(tiny_model, tokenizer, store, reference):
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    first = new_token_at(reference)
+    stop = decode(reference[: first + 1])[-2:]  # ends with the new token's text
+    assert stop not in decode(reference[:first])
+    engine = make_engine(tiny_model, store, TargetDrafts(tiny_model, depth=6), decode=decode)
+    seq = admit(engine, store, "stop", PROMPTS[1], max_tokens=30, stop=[stop])
+    run(engine)
+    expected = hf_greedy(tiny_model, PROMPTS[1], 30, stop_strings=[stop], tokenizer=tokenizer)
+    assert seq.finish_reason == "FINISH_REASON_STOP"
+    assert seq.output_ids == expected == reference[: first + 1]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4, 9])
+def test_max_tokens_inside_an_accepted_prefix(tiny_model, store, reference, max_tokens):
+    engine = make_engine(tiny_model, store, TargetDrafts(tiny_model, depth=6))
+    seq = admit(engine, store, f"len{max_tokens}", PROMPTS[1], max_tokens=max_tokens)
+    run(engine)
+    assert seq.finish_reason == "FINISH_REASON_LENGTH"
+    assert seq.output_ids == reference[:max_tokens]
+    assert store.progress(f"len{max_tokens}") == reference[:max_tokens]
