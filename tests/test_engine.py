@@ -58,7 +58,9 @@ class TargetDrafts:
     draft is accepted and the output ends inside an accepted prefix."""
 
     def __init__(self, model, depth: int):
-        self.proposer = DraftModelProposer(FlatModel(model), TreeShape(max_depth=depth, branching=1, width=1))
+        self.proposer = DraftModelProposer(
+            FlatModel(model), TreeShape(max_depth=depth, branching=1, width=1)
+        )
         self.depth = depth
 
     def propose(self, seqs, other_tokens=0, first_token=False):

@@ -26,7 +26,7 @@ from ..common.tree import DraftTree
 from . import metrics
 from .acceptance import accept
 from .admission import Admission, CachedPrefix, Grant
-from .runner import ModelRunner
+from .runner import ModelRunner, describe
 from .sampling import make_generator
 from .sequence import Committed, Sequence
 from .speculator import Speculator
@@ -221,7 +221,7 @@ class Engine:
         )
         started = time.perf_counter()
         with telemetry.tracer.start_as_current_span("verifier.verify"):
-            logits = self._verify(seqs, trees, takes, before)
+            logits = self.runner.verify_each(seqs, trees, takes)
         elapsed = time.perf_counter() - started
         metrics.VERIFY_SECONDS.observe(elapsed)
         self.speculator.observe_step(sum(takes) + sum(map(len, trees)), elapsed, prefill)
@@ -230,7 +230,7 @@ class Engine:
             seqs, trees, logits, complete, before, prefilling, strict=True
         ):
             if isinstance(rows, Exception):
-                self._fail(seq, was, f"the forward pass failed: {describe(rows)}")
+                self._fail(seq, was, describe(rows))
             elif done:  # (a prefill chunk yields no token until the prompt is all in)
                 if prefilled:
                     self._prefill_span(seq)
@@ -247,32 +247,6 @@ class Engine:
                 log.exception("drafting failed; this step runs without drafts")
                 return [DraftTree() for _ in seqs]
 
-    def _verify(
-        self, seqs, trees, takes, before: list[Committed]
-    ) -> list[torch.Tensor | Exception]:
-        """Target logits per sequence from one forward pass over the batch. If that pass
-        fails, each sequence runs alone, so that the error lands only on the sequences that
-        cause it; the others get the rows they would have got."""
-        try:
-            return self.runner.verify(seqs, trees, takes)
-        except Exception as e:
-            for seq, was in zip(seqs, before, strict=True):
-                was.rewind(seq)
-            if len(seqs) == 1:
-                return [e]
-            log.warning(
-                "batched forward pass failed; running its sequences one by one",
-                extra={"requests": len(seqs), "error": describe(e)},
-            )
-        results: list[torch.Tensor | Exception] = []
-        for seq, tree, take, was in zip(seqs, trees, takes, before, strict=True):
-            try:
-                results.append(self.runner.verify([seq], [tree], [take])[0])
-            except Exception as e:
-                was.rewind(seq)
-                results.append(e)
-        return results
-
     def healthy(self) -> bool:
         """False once `max_failed_steps` steps in a row failed for every sequence in them:
         then the model, the device or the loop is broken, not one request."""
@@ -282,15 +256,9 @@ class Engine:
         """Accepts, commits and appends one sequence's tokens; a failure ends that sequence
         alone. Returns how many draft tokens it accepted."""
         try:
-            if not bool(torch.isfinite(rows).all()):
-                raise NonFiniteLogits(
-                    "the target's logits are not finite (NaN or inf) for this request's "
-                    f"tokens; a {self.runner.model.dtype} overflow? float32 or bfloat16 avoid it"
-                )
             return self._accept(seq, tree, rows)
         except Exception as e:
-            if not isinstance(e, NonFiniteLogits):
-                log.exception("step failed for one request", extra={"request_id": seq.request_id})
+            log.exception("step failed for one request", extra={"request_id": seq.request_id})
             self._fail(seq, was, describe(e))
             return 0
 
@@ -440,16 +408,6 @@ class Engine:
             self.running.pop(seq.request_id, None)
             cancelled_at = self._cancel.pop(seq.request_id, None)
         return None if cancelled_at is None else self.steps - cancelled_at
-
-
-class NonFiniteLogits(ValueError):
-    """The target's logits for a sequence hold NaN or inf."""
-
-
-def describe(error: BaseException) -> str:
-    """An error's type and first line, short enough for a client to read."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

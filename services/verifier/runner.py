@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -9,6 +10,8 @@ import torch
 from ..common.flat_model import FlatModel, Segment
 from ..common.tree import DraftTree
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -39,6 +42,38 @@ class ModelRunner:
             seq.prefill_ms += elapsed_ms
         return logits
 
+    def verify_each(
+        self, seqs: list[Sequence], trees: list[DraftTree], takes: list[int | None]
+    ) -> list[torch.Tensor | Exception]:
+        """`verify`, with a failure kept to the sequences it belongs to: per sequence its
+        logits, or the error that stops it (its KV back where it was). A failed batched pass is
+        run again one sequence at a time, so the others get the rows they would have got; rows
+        holding NaN or inf (a float16 overflow, say) are that sequence's error."""
+        computed = [seq.num_computed for seq in seqs]
+        try:
+            results = self.verify(seqs, trees, takes)
+        except Exception as e:
+            rewind(seqs, computed)
+            if len(seqs) == 1:
+                return [StepFailed(f"the forward pass failed: {describe(e)}")]
+            log.warning(
+                "batched forward pass failed; running its sequences one by one",
+                extra={"requests": len(seqs), "error": describe(e)},
+            )
+            results = [
+                self.verify_each([seq], [tree], [take])[0]
+                for seq, tree, take in zip(seqs, trees, takes, strict=True)
+            ]
+        return [
+            rows
+            if isinstance(rows, Exception) or bool(torch.isfinite(rows).all())
+            else StepFailed(
+                "the target's logits are not finite (NaN or inf) after this request's tokens; "
+                f"a {self.model.dtype} overflow? float32 or bfloat16 avoid it"
+            )
+            for rows in results
+        ]
+
     @staticmethod
     def commit(seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
         """Keeps the KV entries of the accepted nodes right after the pending tokens."""
@@ -48,6 +83,25 @@ class ModelRunner:
     @staticmethod
     def release(seq: Sequence) -> None:
         seq.kv = None
+
+
+class StepFailed(RuntimeError):
+    """A sequence's step could not be computed; the message is for its client."""
+
+
+def rewind(seqs: list[Sequence], computed: list[int]) -> None:
+    """Puts each sequence's KV back to `computed` entries (what it held before the step)."""
+    for seq, length in zip(seqs, computed, strict=True):
+        if seq.kv is not None:
+            seq.kv.truncate(length)
+
+
+def describe(error: BaseException) -> str:
+    """An error's type and first line, short enough for a client to read."""
+    if isinstance(error, StepFailed):
+        return str(error)
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def tree_segment(seq: Sequence, tree: DraftTree, take: int | None = None) -> Segment:

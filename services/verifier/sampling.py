@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # Below this temperature sampling is greedy: logits / T would overflow float32 for T near 0
 # (T = 1e-40 makes every logit inf), and what it approaches is the argmax anyway.
 GREEDY_BELOW = 1e-3
