@@ -110,3 +110,12 @@ def test_cancel_rpc_stops_the_stream(gateway, tiny_cluster):
     assert err.value.code() == grpc.StatusCode.CANCELLED
     _wait_batch_empty(tiny_cluster, rid)
     assert not gateway.Cancel(generation_pb2.CancelRequest(request_id=rid), timeout=5).cancelled
+
+
+def test_a_temperature_near_zero_decodes_greedily_over_grpc(gateway):
+    """1e-40 passes validation; it once made every step fail (inf logits) until the deadline."""
+    cold = common_pb2.SamplingParams(temperature=1e-40, seed=3)
+    hostile = generate(gateway, request(prompt="Once upon", max_tokens=8, sampling=cold), 30)
+    greedy = generate(gateway, request(prompt="Once upon", max_tokens=8))
+    assert hostile.ids == greedy.ids and len(hostile.ids) == 8
+    assert hostile.final.finish_reason == common_pb2.FINISH_REASON_LENGTH
