@@ -48,8 +48,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from .local_cluster import run_local_cluster
+    from .supervisor import RestartPolicy
 
-    return run_local_cluster(args.config, redis_url=args.redis_url, port=args.port)
+    policy = RestartPolicy(max_restarts=args.max_restarts)
+    return run_local_cluster(args.config, redis_url=args.redis_url, port=args.port, policy=policy)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -267,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("up", help="start the whole local cluster (Redis + four services)")
     u.add_argument("--redis-url", help="use this Redis instead of starting a private one")
     u.add_argument("--port", type=int, default=50051, help="gateway port (default 50051)")
+    u.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts (with backoff) of a member that keeps dying within 60s of its start "
+        "before the cluster stops (default 5)",
+    )
     u.set_defaults(func=_up)
 
     g = sub.add_parser("generate", help="stream a completion from a running gateway")

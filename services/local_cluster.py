@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,11 @@ from typing import Any
 
 import yaml
 
+from .supervisor import RestartPolicy, Supervisor, log_to, supervise
+
 START_ORDER = ("scheduler", "drafter", "verifier", "gateway")
+REDIS = "redis"  # the private redis-server, as a member of the cluster
+READY = re.compile(r"SPECSERVE_READY \w+ (\d+)(?: metrics (\d+))?")
 
 
 def without_security(config: dict[str, Any]) -> dict[str, Any]:
@@ -47,6 +52,9 @@ class Proc:
     log_path: Path
     port: int = 0
     metrics_port: int | None = None
+    service: str = ""  # gateway, scheduler, verifier or drafter
+    env: dict[str, str] = field(default_factory=dict)  # what it was started with, to restart it
+    log_offset: int = 0  # where this start's lines begin in the log (restarts append)
 
     @property
     def address(self) -> str:
@@ -57,6 +65,19 @@ class Proc:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def ready(self) -> bool:
+        """Whether this start printed its ready line; records the ports it bound."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                f.seek(self.log_offset)
+                m = READY.search(f.read())
+        except OSError:
+            return False
+        if m:
+            self.port = int(m.group(1))
+            self.metrics_port = int(m.group(2)) if m.group(2) else None
+        return m is not None
 
 
 @dataclass
@@ -147,7 +168,10 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         port: int = 0,
         instance: str | None = None,
+        wait: bool = True,
     ) -> Proc:
+        """Starts a service; a scheduler or drafter (whose address others need) is waited
+        for unless `wait` is False. Its log goes to `{instance}.log`, appended to."""
         key = instance or name
         log_path = self.workdir / f"{key}.log"
         cmd = [
@@ -161,32 +185,80 @@ class LocalCluster:
             "--port",
             str(port),
         ]
+        log_file = open(log_path, "a")
         popen = subprocess.Popen(
             cmd,
-            stdout=open(log_path, "w"),
+            stdout=log_file,
             stderr=subprocess.STDOUT,
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
             start_new_session=True,
         )
-        self.procs[key] = Proc(key, popen, log_path)
-        if name in ("scheduler", "drafter"):  # gateway and verifier need their addresses
+        offset = log_file.tell()
+        log_file.close()
+        self.procs[key] = Proc(
+            key, popen, log_path, port=port, service=name, env=dict(env or {}), log_offset=offset
+        )
+        if wait and name in ("scheduler", "drafter"):  # gateway and verifier need their addresses
             self.wait_ready(key, 600)
         return self.procs[key]
 
     def wait_ready(self, key: str, timeout: float) -> Proc:
         proc = self.procs[key]
         deadline = time.monotonic() + timeout
-        pattern = re.compile(r"SPECSERVE_READY \w+ (\d+)(?: metrics (\d+))?")
         while time.monotonic() < deadline:
-            if m := pattern.search(proc.log_text()):
-                proc.port = int(m.group(1))
-                proc.metrics_port = int(m.group(2)) if m.group(2) else None
+            if proc.ready():
                 return proc
             if proc.popen.poll() is not None:
-                tail = "\n".join(proc.log_text().splitlines()[-15:])
+                tail = "\n".join(self.log_tail(key, 15))
                 raise ClusterError(f"{key} exited with {proc.popen.returncode}:\n{tail}")
             time.sleep(0.1)
         raise ClusterError(f"{key} not ready after {timeout:.0f}s; see {proc.log_path}")
+
+    # A member is a service (by its key in `procs`) or the private Redis (REDIS).
+    def members(self) -> list[str]:
+        return [*self.procs, *([REDIS] if self.redis else [])]
+
+    def _popen(self, key: str) -> subprocess.Popen:
+        popen = self.redis if key == REDIS else self.procs[key].popen
+        assert popen is not None
+        return popen
+
+    def pid(self, key: str) -> int:
+        return self._popen(key).pid
+
+    def exit_code(self, key: str) -> int | None:
+        """None while the member runs."""
+        return self._popen(key).poll()
+
+    def address(self, key: str) -> str:
+        return f"127.0.0.1:{self.redis_port}" if key == REDIS else self.procs[key].address
+
+    def log_path(self, key: str) -> Path:
+        return self.workdir / "redis.log" if key == REDIS else self.procs[key].log_path
+
+    def log_tail(self, key: str, lines: int) -> list[str]:
+        try:
+            return self.log_path(key).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return []
+
+    def is_ready(self, key: str) -> bool:
+        if key != REDIS:
+            return self.procs[key].ready()
+        with socket.socket() as s:
+            return self.exit_code(key) is None and s.connect_ex(("127.0.0.1", self.redis_port)) == 0
+
+    def restart(self, key: str) -> None:
+        """Starts a member again on the port it had (others hold its address), without
+        waiting for it: `is_ready` says when it serves."""
+        if key == REDIS:
+            try:
+                self.start_redis()
+            except ClusterError:
+                pass  # it exited again: the supervisor sees that
+            return
+        proc = self.procs[key]
+        self.start_service(proc.service, proc.env, proc.port, instance=key, wait=False)
 
     def kill(self, key: str, sig: int = signal.SIGKILL) -> int:
         """Signals a service and waits for it to exit; returns its exit code."""
@@ -234,8 +306,11 @@ def dev_key(cluster: LocalCluster) -> str | None:
     return KeyStore(client).create("dev", "standard", settings.tiers["standard"])
 
 
-def run_local_cluster(config_path: str | None, redis_url: str | None, port: int) -> int:
-    """`specserve up`: start everything, print how to use it, stop it all on Ctrl-C."""
+def run_local_cluster(
+    config_path: str | None, redis_url: str | None, port: int, policy: RestartPolicy | None = None
+) -> int:
+    """`specserve up`: start everything, print how to use it, restart what dies (see
+    supervisor.py), stop it all on Ctrl-C or SIGTERM, or when a member crash-loops."""
     config = yaml.safe_load(Path(config_path).read_text()) if config_path else {}
     config = config or {}
 
@@ -254,40 +329,23 @@ def run_local_cluster(config_path: str | None, redis_url: str | None, port: int)
         for section, values in dev_tls_config(paths).items():
             config[section] = {**(config.get(section) or {}), **values}
         ca = paths["ca"]
-    cluster = LocalCluster(config, workdir, redis_url=redis_url)
+    # AOF: a restarted Redis comes back with every request in it.
+    cluster = LocalCluster(config, workdir, redis_url=redis_url, redis_aof=True)
     started = time.monotonic()
     print(f"starting the local cluster (logs in {workdir}) ...", flush=True)
     try:
         cluster.start(gateway_port=port)
-        gateway = cluster.procs["gateway"].address
-        key, env, flags = dev_key(cluster), "", ""
-        if key:
-            env, flags = f"SPECSERVE_API_KEY={key} ", f"-H 'authorization: Bearer {key}' "
-            print(f"\ndev API key (tenant dev): {key}", flush=True)
-        if ca:
-            env, flags = env + f"SPECSERVE_CA={ca} ", flags + f"-cacert {ca} "
-            print(f"TLS on every port; the dev CA: {ca}", flush=True)
-        else:
-            flags += "-plaintext "
-        print(
-            f"\nready in {time.monotonic() - started:.1f}s. gateway: {gateway}  "
-            f"redis: {cluster.redis_url}\n"
-            f"try:  {env}"
-            f'specserve generate --address {gateway} "Write a Python function that '
-            'reverses a string."\n'
-            f"  or: grpcurl {flags}"
-            f'-d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\' '
-            f"{gateway} specserve.v1.Generation/Generate\n"
-            "Ctrl-C stops everything.",
-            flush=True,
-        )
-        while all(p.popen.poll() is None for p in cluster.procs.values()):
-            time.sleep(0.5)
-        dead = [k for k, p in cluster.procs.items() if p.popen.poll() is not None]
-        print(
-            f"{', '.join(dead)} exited; stopping the cluster (logs in {workdir})", file=sys.stderr
-        )
-        return 1
+        print_usage(cluster, ca, time.monotonic() - started)
+        stop = threading.Event()
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        log_to(workdir / "supervisor.log")
+        failure = supervise(cluster, Supervisor(policy or RestartPolicy()), stop, say)
+        if failure:
+            print(f"error: {failure}", file=sys.stderr, flush=True)
+            return 1
+        print("\nstopping ...", flush=True)
+        return 0
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 0
@@ -296,3 +354,34 @@ def run_local_cluster(config_path: str | None, redis_url: str | None, port: int)
         return 1
     finally:
         cluster.stop()
+
+
+def say(line: str) -> None:
+    print(time.strftime("%H:%M:%S ") + line, flush=True)
+
+
+def print_usage(cluster: LocalCluster, ca: Path | str | None, took: float) -> None:
+    """The members (pid, address), the gateway, a dev key and commands to try."""
+    for key in cluster.members():
+        print(f"  {key:<10} pid {cluster.pid(key):<8} {cluster.address(key)}", flush=True)
+    gateway = cluster.procs["gateway"].address
+    key, env, flags = dev_key(cluster), "", ""
+    if key:
+        env, flags = f"SPECSERVE_API_KEY={key} ", f"-H 'authorization: Bearer {key}' "
+        print(f"\ndev API key (tenant dev): {key}", flush=True)
+    if ca:
+        env, flags = env + f"SPECSERVE_CA={ca} ", flags + f"-cacert {ca} "
+        print(f"TLS on every port; the dev CA: {ca}", flush=True)
+    else:
+        flags += "-plaintext "
+    print(
+        f"\nready in {took:.1f}s. gateway: {gateway}  redis: {cluster.redis_url}\n"
+        f"try:  {env}"
+        f'specserve generate --address {gateway} "Write a Python function that '
+        'reverses a string."\n'
+        f"  or: grpcurl {flags}"
+        f'-d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\' '
+        f"{gateway} specserve.v1.Generation/Generate\n"
+        "A member that dies is restarted on its port; Ctrl-C stops everything.",
+        flush=True,
+    )
