@@ -185,16 +185,15 @@ class LocalCluster:
             "--port",
             str(port),
         ]
-        log_file = open(log_path, "a")
-        popen = subprocess.Popen(
-            cmd,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-            start_new_session=True,
-        )
-        offset = log_file.tell()
-        log_file.close()
+        with open(log_path, "a") as log_file:
+            offset = log_file.tell()  # this start's lines begin here
+            popen = subprocess.Popen(
+                cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+                start_new_session=True,
+            )
         self.procs[key] = Proc(
             key, popen, log_path, port=port, service=name, env=dict(env or {}), log_offset=offset
         )
@@ -209,8 +208,11 @@ class LocalCluster:
             if proc.ready():
                 return proc
             if proc.popen.poll() is not None:
-                tail = "\n".join(self.log_tail(key, 15))
-                raise ClusterError(f"{key} exited with {proc.popen.returncode}:\n{tail}")
+                tail = "\n".join("  " + line for line in self.log_tail(key))
+                raise ClusterError(
+                    f"{key} could not start: exited with {proc.popen.returncode}. "
+                    f"Its last log lines ({proc.log_path}):\n{tail}"
+                )
             time.sleep(0.1)
         raise ClusterError(f"{key} not ready after {timeout:.0f}s; see {proc.log_path}")
 
@@ -236,11 +238,14 @@ class LocalCluster:
     def log_path(self, key: str) -> Path:
         return self.workdir / "redis.log" if key == REDIS else self.procs[key].log_path
 
-    def log_tail(self, key: str, lines: int) -> list[str]:
+    def log_tail(self, key: str, lines: int = 10) -> list[str]:
+        """The last non-blank lines of a member's log, each cut to 300 characters."""
         try:
-            return self.log_path(key).read_text(errors="replace").splitlines()[-lines:]
+            text = self.log_path(key).read_text(errors="replace")
         except OSError:
             return []
+        tail = [line for line in text.splitlines() if line.strip()][-lines:]
+        return [line if len(line) <= 300 else line[:300] + " ..." for line in tail]
 
     def is_ready(self, key: str) -> bool:
         if key != REDIS:

@@ -150,7 +150,7 @@ def crash_loop_message(
     cluster: LocalCluster, supervisor: Supervisor, key: str, code: int | None
 ) -> str:
     policy = supervisor.policy
-    tail = "\n".join("  " + line for line in cluster.log_tail(key, 15))
+    tail = "\n".join("  " + line for line in cluster.log_tail(key))
     return (
         f"{key} crash-loops: exited with {code} after {policy.max_restarts} restarts in a row, "
         f"none of them up {policy.stable_seconds:g}s; stopping the cluster. "
