@@ -78,10 +78,9 @@ class Supervisor:
 
 @dataclass
 class _Pending:
-    """A restart the loop owes a member: its start time, then its readiness."""
+    """A restart the loop owes a member: its start at `due`, then its readiness."""
 
     due: float
-    decision: Decision
     spawned: bool = False
 
 
@@ -116,9 +115,9 @@ def supervise(
                 f"{key} (pid {cluster.pid(key)}) exited with {code}; restart {decision.attempt}"
                 f" in {decision.backoff:g}s on {cluster.address(key)}"
             )
-            pending[key] = _Pending(time.monotonic() + decision.backoff, decision)
+            pending[key] = _Pending(supervisor.clock() + decision.backoff)
         for key, restart in list(pending.items()):
-            if not restart.spawned and time.monotonic() >= restart.due:
+            if not restart.spawned and supervisor.clock() >= restart.due:
                 cluster.restart(key)
                 supervisor.started(key)
                 restart.spawned = True
