@@ -7,7 +7,10 @@ Chosen by name from PROPOSERS:
   one batched forward pass per tree level (EAGLE-2's dynamic tree, Li et al. 2024). Greedy
   requests expand each node by its top-k tokens; sampling requests draw each node's children
   without replacement (Gumbel-top-k) from a truncated draft distribution q that is sent with
-  the tree, which keeps the verifier's rejection sampling exact. A chain is branching=1.
+  the tree, which keeps the verifier's rejection sampling exact. A sampling request's tree
+  has a shape fixed before any draw (no `min_path_prob` stop, a fixed number of children),
+  so its size and drafting time, and with them whether the verifier gets it in time, do not
+  depend on what was drawn. A chain is branching=1.
 - `hybrid`: n-gram where the history repeats itself, the draft model elsewhere.
 """
 
@@ -43,7 +46,7 @@ class TreeShape:
     max_depth: int = 6  # tree levels
     branching: int = 2  # children per expanded node
     width: int = 4  # nodes expanded per level
-    min_path_prob: float = 0.0  # a node whose path is less likely than this is not expanded
+    min_path_prob: float = 0.0  # greedy only: a less likely path is not expanded
 
 
 def shape_of(settings: DrafterSettings) -> TreeShape:
@@ -258,9 +261,20 @@ class DraftModelProposer(Proposer):
         for score, token, parent in chosen:
             added.append(g.tree.add(token, parent))
             g.score.append(score)
-        floor = math.log(shape.min_path_prob) if shape.min_path_prob > 0 else -math.inf
+        floor = self._expansion_floor(job)
         promising = [n for n in added if g.score[n] >= floor]
         g.frontier = heapq.nlargest(shape.width, promising, key=lambda n: g.score[n])
+
+    def _expansion_floor(self, job: DraftJob) -> float:
+        """The least cumulative log-probability a node needs to be expanded.
+
+        Greedy drafts stop where the path gets unlikely. Sampled drafts never do: a stop that
+        looks at what was drawn would make the tree's depth, hence its drafting time, hence
+        whether it beats the verifier's deadline, depend on the draws, and a tree dropped more
+        often for some draws than for others biases the output (see "The speculative step")."""
+        if job.temperature > 0 or self.shape.min_path_prob <= 0:
+            return -math.inf
+        return math.log(self.shape.min_path_prob)
 
     def _draft_dist(self, logits: torch.Tensor, temperature: float):
         """q: softmax(logits / T) over the top `sample_support` tokens, renormalised."""
@@ -305,10 +319,14 @@ class HybridProposer(Proposer):
 
 
 def _gumbel_top_k(probs: torch.Tensor, k: int, generator) -> list[int]:
-    """Indices of k draws without replacement from probs, in draw order (Gumbel-top-k)."""
+    """Indices of k draws without replacement from probs, in draw order (Gumbel-top-k).
+
+    Always k of them: where fewer than k tokens have any probability, the rest are tokens
+    of probability 0, which the verifier's acceptance skips. The count so never depends on
+    the distribution, and through it on earlier draws."""
     u = torch.rand(probs.shape, generator=generator).clamp_(1e-20, 1.0)
     keys = torch.log(probs) - torch.log(-torch.log(u))
-    return torch.topk(keys, min(k, int((probs > 0).sum()))).indices.tolist()
+    return torch.topk(keys, min(k, len(probs))).indices.tolist()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
