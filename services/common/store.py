@@ -50,6 +50,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from .outage import OutageLog
+
 log = logging.getLogger(__name__)
 
 PREFIX = "specserve:"
@@ -593,12 +595,18 @@ def heartbeat_forever(
     period: float,
     stop: threading.Event,
 ) -> None:
-    """Keeps a member registered (ttl: three periods) until `stop` is set; then removes it."""
+    """Keeps a member registered (ttl: three periods) until `stop` is set; then removes it.
+    A Redis outage logs one line when it starts and one when it ends."""
+    outage = OutageLog(log, f"{kind} heartbeat")
     while not stop.is_set():
         try:
             store.heartbeat(member_id, info(), ttl_seconds=3 * period, kind=kind)
+        except redis.RedisError as e:
+            outage.failed(e)
         except Exception:
             log.exception("heartbeat failed", extra={"kind": kind})
+        else:
+            outage.succeeded()
         stop.wait(period)
     try:
         store.deregister(member_id, kind)

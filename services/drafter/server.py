@@ -10,7 +10,7 @@ import torch
 from ..common import telemetry
 from ..common.grpc_server import Server
 from ..common.settings import DrafterSettings
-from ..common.store import RequestStore, heartbeat_forever
+from ..common.store import RequestStore, heartbeat_forever, now_ms
 from ..common.tree import to_proto
 from ..v1 import drafter_pb2, drafter_pb2_grpc
 from . import metrics
@@ -76,29 +76,32 @@ def build(settings: DrafterSettings):
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     proposer = PROPOSERS[settings.proposer].from_settings(settings)
+    store = RequestStore.from_url(settings.redis_url)
+    store.wait_reachable()
     server = Server(
         settings.host, settings.port, [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
     )
     drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterService(proposer), server.grpc)
     server.start()
     # Registered, verifiers find this drafter without a restart; gone, they move its sequences.
+    # `started_ms` tells them a drafter came back (a new process at the same address).
     address = settings.advertise_address or f"{settings.host}:{server.port}"
-    store = RequestStore.from_url(settings.redis_url)
+    entry = {
+        "address": address,
+        "proposer": settings.proposer,
+        "pool": settings.pool,
+        "started_ms": now_ms(),
+    }
     stop = threading.Event()
     heartbeat = threading.Thread(
         target=heartbeat_forever,
-        args=(
-            store,
-            "drafter",
-            address,
-            lambda: {"address": address, "proposer": settings.proposer, "pool": settings.pool},
-        ),
+        args=(store, "drafter", address, lambda: entry),
         kwargs={"period": settings.heartbeat_seconds, "stop": stop},
         name="heartbeat",
         daemon=True,
     )
     heartbeat.start()
-    server.set_serving(True)
+    server.watch({"redis reachable": store.ping})
     log.info(
         "drafter ready",
         extra={"address": address, "proposer": settings.proposer, "pool": settings.pool},

@@ -9,11 +9,13 @@ import time
 from collections import deque
 
 import grpc
+import redis
 from google.protobuf import json_format
 
 from ..common import telemetry
 from ..common.capacity import kv_fit_problem
 from ..common.grpc_server import Server, retrying_channel
+from ..common.outage import OutageLog
 from ..common.rollout import POOLS, choose_pool
 from ..common.settings import SchedulerSettings
 from ..common.store import QUEUE_CLASSES, RequestStore, now_ms
@@ -191,6 +193,7 @@ class Placer:
         return len(new)
 
     def run(self) -> None:
+        outage = OutageLog(log, "placement")  # a Redis outage: a line as it starts and ends
         while not self.stop.is_set():
             try:
                 now = time.monotonic()
@@ -204,9 +207,14 @@ class Placer:
                     self.unpark()
                     self._next_expiry = now + EXPIRY_PERIOD_SECONDS
                 placed = self.place_some()
+            except redis.RedisError as e:
+                outage.failed(e)
+                placed = False
             except Exception:
                 log.exception("placement failed; retrying")
                 placed = False
+            else:
+                outage.succeeded()
             if not placed:
                 self.stop.wait(self.settings.placement_poll_seconds)
 

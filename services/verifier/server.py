@@ -27,7 +27,7 @@ from .engine import Engine
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
-from .speculator import Speculator
+from .speculator import Speculator, registered_drafters
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     speculator = Speculator(
         settings,
         model.config.vocab_size,
-        discover=lambda: store.drafters(settings.pool),
+        discover=lambda: registered_drafters(store, settings.pool),
     )
     flat = FlatModel(model)
     budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)

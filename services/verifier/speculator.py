@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from ..common import telemetry, tls
+from ..common.outage import OutageLog
 from ..common.settings import VerifierSettings
 from ..common.tree import DraftTree, from_proto
 from ..drafter.proposers import NgramProposer, TreeShape
@@ -109,8 +110,18 @@ class CircuitBreaker:
         self.failures = 0
         self.opened_at: float | None = None
 
+    @property
+    def is_open(self) -> bool:
+        """Open and still cooling down: nothing goes through."""
+        return not self.allow()
+
     def allow(self) -> bool:
         return self.opened_at is None or self.clock() - self.opened_at >= self.cooldown
+
+    def half_open(self) -> None:
+        """Lets a trial through now, as if the cooldown had passed (the drafter is back)."""
+        if self.opened_at is not None:
+            self.opened_at = self.clock() - self.cooldown
 
     def success(self) -> None:
         self.failures, self.opened_at = 0, None
@@ -123,13 +134,26 @@ class CircuitBreaker:
             self.opened_at = self.clock()
 
 
+def registered_drafters(store, pool: str) -> dict[str, str]:
+    """The live drafters of a rollout pool in the registry: address -> when that drafter
+    process started (`started_ms`; "" if its entry does not say)."""
+    return {
+        d["address"]: d.get("started_ms", "")
+        for d in store.live("drafter")
+        if "address" in d and d.get("pool", "stable") == pool
+    }
+
+
 class DrafterPool:
     """The drafters one verifier streams with: the configured ones plus those registered in
-    Redis (`discover`, refreshed every `refresh_seconds`), each with its own breaker.
+    Redis (`discover`: address -> start time, refreshed every `refresh_seconds`), each with
+    its own breaker.
 
     A sequence sticks to the drafter that holds its draft state while that drafter is usable;
     a new one (or one whose drafter failed or left) goes to the usable drafter with the fewest
-    sequences, and resyncs there."""
+    sequences, and resyncs there. A drafter that comes back (registered again after its entry
+    was gone, or with a new start time: a restarted process) gets a trial at once instead of
+    waiting out its breaker's cooldown."""
 
     def __init__(
         self,
@@ -137,34 +161,45 @@ class DrafterPool:
         discover,
         breaker: tuple[int, float],
         refresh_seconds: float = 1.0,
+        clock=time.monotonic,
     ):
         self.static = list(addresses)
         self.discover = discover
         self.breaker_args = breaker
         self.refresh_seconds = refresh_seconds
+        self.clock = clock
         self.clients: dict[str, DrafterClient] = {}
         self.breakers: dict[str, CircuitBreaker] = {}
         self.assigned: dict[str, str] = {}  # sequence id -> drafter address
+        self.registered: dict[str, str] = {}  # address -> start time, at the last discovery
         self._refreshed = -float("inf")
+        self._outage = OutageLog(log, "drafter discovery")
         self._set(self.static)
 
     def refresh(self) -> None:
-        if self.discover is None or time.monotonic() - self._refreshed < self.refresh_seconds:
+        if self.discover is None or self.clock() - self._refreshed < self.refresh_seconds:
             return
-        self._refreshed = time.monotonic()
+        self._refreshed = self.clock()
         try:
             found = self.discover()
         except Exception as e:  # the registry is an addition: keep the drafters we have
-            log.warning("drafter discovery failed", extra={"error": str(e)})
+            self._outage.failed(e)
             return
+        self._outage.succeeded()
         self._set(self.static + [a for a in found if a not in self.static])
+        for address, started in found.items():
+            back = self.registered.get(address) != started  # new, returned or restarted
+            if back and address in self.breakers and self.breakers[address].is_open:
+                log.info("drafter back; breaker half-open", extra={"address": address})
+                self.breakers[address].half_open()
+        self.registered = dict(found)
 
     def _set(self, addresses: list[str]) -> None:
         for address in addresses:
             if address not in self.clients:
                 log.info("drafter added", extra={"address": address})
                 self.clients[address] = DrafterClient(address)
-                self.breakers[address] = CircuitBreaker(*self.breaker_args)
+                self.breakers[address] = CircuitBreaker(*self.breaker_args, clock=self.clock)
         for address in [a for a in self.clients if a not in addresses]:
             log.info("drafter removed", extra={"address": address})
             self.clients.pop(address).close()

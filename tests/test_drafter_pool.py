@@ -1,0 +1,126 @@
+"""The verifier's drafter pool: a drafter that comes back gets a trial at once, not after its
+breaker's cooldown; and a Redis outage logs one line as it starts and one as it ends."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from specserve.common.outage import OutageLog
+from specserve.verifier.speculator import DrafterPool
+
+A, B = "10.0.0.1:50054", "10.0.0.2:50054"
+
+
+class Registry:
+    """What discovery finds: address -> start time; raises while `down`."""
+
+    def __init__(self, entries: dict[str, str]):
+        self.entries = dict(entries)
+        self.down = False
+
+    def __call__(self) -> dict[str, str]:
+        if self.down:
+            raise ConnectionError("Error 111 connecting to redis")
+        return dict(self.entries)
+
+
+@pytest.fixture
+def clock():
+    now = [1000.0]
+    return now
+
+
+def pool_of(registry: Registry, clock, static=(A,)) -> DrafterPool:
+    pool = DrafterPool(
+        list(static), registry, (2, 10.0), refresh_seconds=1.0, clock=lambda: clock[0]
+    )
+    pool.refresh()
+    return pool
+
+
+def fail(pool: DrafterPool, address: str, times: int = 2) -> None:
+    for _ in range(times):
+        pool.breakers[address].failure()
+
+
+def tick(pool: DrafterPool, clock, seconds: float = 1.0) -> None:
+    clock[0] += seconds
+    pool.refresh()
+
+
+def test_a_restarted_drafter_gets_a_trial_at_the_next_refresh(clock):
+    registry = Registry({A: "100", B: "100"})
+    pool = pool_of(registry, clock)
+    fail(pool, A)
+    assert pool.assign("s1") == B  # A's breaker is open: its sequences go elsewhere
+    tick(pool, clock)
+    assert not pool.breakers[A].allow()  # same process: the cooldown holds
+    registry.entries[A] = "5000"  # a new process at the same address
+    tick(pool, clock)
+    assert pool.breakers[A].allow()  # 1 s after it registered, not 10
+    fail(pool, A, times=1)  # the trial failed: open again for the full cooldown
+    assert not pool.breakers[A].allow()
+    tick(pool, clock)
+    assert not pool.breakers[A].allow()
+
+
+def test_a_drafter_registered_again_after_its_entry_expired_gets_a_trial(clock):
+    registry = Registry({A: "100"})
+    pool = pool_of(registry, clock)
+    fail(pool, A)
+    del registry.entries[A]  # its heartbeats stopped; A stays: it is configured
+    tick(pool, clock)
+    assert A in pool.clients and not pool.breakers[A].allow()
+    registry.entries[A] = "100"  # back (the same start time: a partition that healed)
+    tick(pool, clock)
+    assert pool.breakers[A].allow()
+
+
+def test_a_slow_drafter_that_never_left_waits_out_the_cooldown(clock):
+    registry = Registry({A: "100"})
+    pool = pool_of(registry, clock)
+    fail(pool, A)
+    for _ in range(9):
+        tick(pool, clock)
+        assert not pool.breakers[A].allow()
+    tick(pool, clock)
+    assert pool.breakers[A].allow()
+
+
+def test_discovery_during_a_redis_outage_keeps_the_drafters_and_logs_twice(clock, caplog):
+    registry = Registry({A: "100", B: "100"})
+    pool = pool_of(registry, clock, static=())
+    registry.down = True
+    with caplog.at_level(logging.INFO, logger="specserve.verifier.speculator"):
+        for _ in range(5):
+            tick(pool, clock)
+        assert set(pool.clients) == {A, B}
+        registry.down = False
+        tick(pool, clock)
+        tick(pool, clock)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["redis unreachable; retrying", "redis back after 5 failed tries"]
+    assert all(r.levelno == logging.WARNING and not r.exc_info for r in caplog.records)
+
+
+def test_outage_log_counts_each_burst(caplog):
+    outage = OutageLog(logging.getLogger("test.outage"), "heartbeat")
+    with caplog.at_level(logging.INFO, logger="test.outage"):
+        outage.succeeded()
+        for _ in range(3):
+            outage.failed(ConnectionError("refused"))
+        outage.succeeded()
+        outage.succeeded()
+        outage.failed(TimeoutError("timed out"))
+        assert outage.down
+        outage.succeeded()
+    assert [r.getMessage() for r in caplog.records] == [
+        "redis unreachable; retrying",
+        "redis back after 3 failed tries",
+        "redis unreachable; retrying",
+        "redis back after 1 failed try",
+    ]
+    assert caplog.records[0].error == "ConnectionError: refused"
+    assert caplog.records[1].failed_tries == 3 and caplog.records[1].__dict__["in"] == "heartbeat"
