@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import redis
 
 from specserve.common.outage import OutageLog
 from specserve.verifier.speculator import DrafterPool
@@ -22,7 +23,7 @@ class Registry:
 
     def __call__(self) -> dict[str, str]:
         if self.down:
-            raise ConnectionError("Error 111 connecting to redis")
+            raise redis.ConnectionError("Error 111 connecting to redis")
         return dict(self.entries)
 
 
@@ -110,10 +111,10 @@ def test_outage_log_counts_each_burst(caplog):
     with caplog.at_level(logging.INFO, logger="test.outage"):
         outage.succeeded()
         for _ in range(3):
-            outage.failed(ConnectionError("refused"))
+            outage.failed(redis.ConnectionError("refused"))
         outage.succeeded()
         outage.succeeded()
-        outage.failed(TimeoutError("timed out"))
+        outage.failed(redis.TimeoutError("timed out"))
         assert outage.down
         outage.succeeded()
     assert [r.getMessage() for r in caplog.records] == [

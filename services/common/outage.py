@@ -10,18 +10,26 @@ retrying") and one when it ends ("redis back after N failed tries").
     while running:
         try:
             store.heartbeat(...)
-        except redis.RedisError as e:
+        except REDIS_UNREACHABLE as e:
             outage.failed(e)
+        except Exception:
+            log.exception("heartbeat failed")
         else:
             outage.succeeded()
 
-Errors that are not the dependency's (bugs) are for the caller to log in full.
+Only errors of reaching Redis count: an error Redis answers with (a missing consumer group, a
+script error) is not an outage and is for the caller to log in full, as are bugs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+
+import redis
+
+# Redis is away or not answering (refused, reset, timed out, still loading its data).
+REDIS_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
 
 
 class OutageLog:

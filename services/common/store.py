@@ -50,7 +50,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from .outage import OutageLog
+from .outage import REDIS_UNREACHABLE, OutageLog
 
 log = logging.getLogger(__name__)
 
@@ -601,7 +601,7 @@ def heartbeat_forever(
     while not stop.is_set():
         try:
             store.heartbeat(member_id, info(), ttl_seconds=3 * period, kind=kind)
-        except redis.RedisError as e:
+        except REDIS_UNREACHABLE as e:
             outage.failed(e)
         except Exception:
             log.exception("heartbeat failed", extra={"kind": kind})

@@ -9,13 +9,12 @@ import time
 from collections import deque
 
 import grpc
-import redis
 from google.protobuf import json_format
 
 from ..common import telemetry
 from ..common.capacity import kv_fit_problem
 from ..common.grpc_server import Server, retrying_channel
-from ..common.outage import OutageLog
+from ..common.outage import REDIS_UNREACHABLE, OutageLog
 from ..common.rollout import POOLS, choose_pool
 from ..common.settings import SchedulerSettings
 from ..common.store import QUEUE_CLASSES, RequestStore, now_ms
@@ -207,7 +206,7 @@ class Placer:
                     self.unpark()
                     self._next_expiry = now + EXPIRY_PERIOD_SECONDS
                 placed = self.place_some()
-            except redis.RedisError as e:
+            except REDIS_UNREACHABLE as e:
                 outage.failed(e)
                 placed = False
             except Exception:

@@ -19,7 +19,7 @@ import grpc
 import torch
 
 from ..common import telemetry, tls
-from ..common.outage import OutageLog
+from ..common.outage import REDIS_UNREACHABLE, OutageLog
 from ..common.settings import VerifierSettings
 from ..common.tree import DraftTree, from_proto
 from ..drafter.proposers import NgramProposer, TreeShape
@@ -180,10 +180,13 @@ class DrafterPool:
         if self.discover is None or self.clock() - self._refreshed < self.refresh_seconds:
             return
         self._refreshed = self.clock()
-        try:
+        try:  # the registry is an addition: without it, keep the drafters we have
             found = self.discover()
-        except Exception as e:  # the registry is an addition: keep the drafters we have
+        except REDIS_UNREACHABLE as e:
             self._outage.failed(e)
+            return
+        except Exception as e:
+            log.warning("drafter discovery failed", extra={"error": str(e)})
             return
         self._outage.succeeded()
         self._set(self.static + [a for a in found if a not in self.static])
