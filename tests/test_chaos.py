@@ -147,8 +147,8 @@ def restart(cluster: LocalCluster, key: str, port: int = 0) -> None:
 
 
 def wait_health(cluster: LocalCluster, status, timeout: float = 10) -> None:
-    """Waits until every service that needs Redis reports `status` on grpc.health.v1."""
-    keys = [k for k in cluster.procs if not k.startswith("drafter")]
+    """Waits until every service (each needs Redis) reports `status` on grpc.health.v1."""
+    keys = list(cluster.procs)
     deadline = time.monotonic() + timeout
     while True:
         seen = {}
