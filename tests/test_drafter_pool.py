@@ -4,11 +4,18 @@ breaker's cooldown; and a Redis outage logs one line as it starts and one as it 
 from __future__ import annotations
 
 import logging
+import time
 
+import grpc
 import pytest
 import redis
 
+from conftest import cluster_config
+from helpers import generate, request
 from specserve.common.outage import OutageLog
+from specserve.common.store import RequestStore
+from specserve.local_cluster import LocalCluster
+from specserve.v1 import generation_pb2_grpc
 from specserve.verifier.speculator import DrafterPool
 
 A, B = "10.0.0.1:50054", "10.0.0.2:50054"
@@ -125,3 +132,46 @@ def test_outage_log_counts_each_burst(caplog):
     ]
     assert caplog.records[0].error == "ConnectionError: refused"
     assert caplog.records[1].failed_tries == 3 and caplog.records[1].__dict__["in"] == "heartbeat"
+
+
+def test_a_drafter_restarted_at_its_address_drafts_again_at_once(
+    tmp_path, tiny_model_dir, tiny_draft_dir, tokenizer
+):
+    """Through the cluster: with a 10-minute cooldown, only the drafter's return can close
+    its breaker before the next request ends."""
+    config = cluster_config(
+        tiny_model_dir,
+        verifier={
+            "speculative_decoding": True,
+            "verification_tree_size": 4,
+            "speculation_policy": "fixed",
+            "breaker_failures": 1,
+            "breaker_cooldown_seconds": 600,
+        },
+    )
+    config["drafter"].update(draft_model_path=str(tiny_draft_dir))
+    cluster = LocalCluster(config, tmp_path).start(timeout=180)
+    try:
+        store = RequestStore.from_url(cluster.redis_url)
+        ids = tokenizer("def fibonacci(n):").input_ids
+        with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            port = cluster.procs["drafter"].port
+            (first,) = store.live("drafter")
+            cluster.kill("drafter")
+            down = generate(stub, request(prompt_ids=ids, max_tokens=20))
+            assert down.final.speculation.fallback_steps > 0  # its breaker opened
+
+            cluster.start_service("drafter", port=port)
+            deadline = time.monotonic() + 30
+            while [(d["id"], d["started_ms"]) for d in store.live("drafter")] in (
+                [],
+                [(first["id"], first["started_ms"])],
+            ):
+                assert time.monotonic() < deadline, "the drafter did not register again"
+                time.sleep(0.05)
+            back = generate(stub, request(prompt_ids=ids, max_tokens=20))
+        stats = back.final.speculation
+        assert stats.fallback_steps <= 1 and stats.drafted_tokens > 0, stats
+    finally:
+        cluster.stop()
