@@ -35,11 +35,16 @@ POISON = 4242  # a token whose embedding is inf: every logit after it is NaN
 
 
 @pytest.fixture
-def store(tmp_path):
-    cluster = LocalCluster({}, tmp_path)
+def redis_server(tmp_path):
+    cluster = LocalCluster({}, tmp_path, redis_aof=True)
     cluster.start_redis()
-    yield RequestStore.from_url(cluster.redis_url)
+    yield cluster
     cluster.kill_redis()
+
+
+@pytest.fixture
+def store(redis_server):
+    return RequestStore.from_url(redis_server.redis_url)
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +246,35 @@ def test_steps_that_fail_for_everyone_turn_health_off_and_end_their_requests(
         assert engine.healthy()
     finally:
         engine.stop()
+
+
+def wait_until(what: str, condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what}"
+        time.sleep(0.02)
+
+
+def test_a_redis_outage_pauses_the_loop_with_one_line_each_way(
+    tiny_model, store, redis_server, caplog
+):
+    engine = make_engine(tiny_model, store)
+    engine.start()
+    try:
+        seq = admit(engine, store, "through", PROMPTS[0], max_tokens=400)
+        wait_until("tokens written", lambda: store.get("through").generated > 0)
+        redis_server.kill_redis()
+        wait_until("the loop noticed", lambda: "redis unreachable" in caplog.text)
+        redis_server.start_redis()  # (with AOF: nothing written is lost)
+        wait_until("finished", lambda: store.get("through").status == "finished", 300)
+    finally:
+        engine.stop()
+    assert store.progress("through") == seq.output_ids == hf_greedy(tiny_model, PROMPTS[0], 400)
+    lines = [r for r in caplog.records if r.name == engine_module.__name__]
+    assert sum("redis unreachable" in r.getMessage() for r in lines) == 1
+    assert sum("redis back after" in r.getMessage() for r in lines) == 1
+    assert not any(r.exc_info for r in lines)
+    assert engine.healthy()
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import torch
 from opentelemetry import trace
 
 from ..common import telemetry
+from ..common.outage import REDIS_UNREACHABLE, OutageLog
 from ..common.store import RequestStore
 from ..common.tree import DraftTree
 from . import metrics
@@ -77,6 +78,7 @@ class Engine:
         self.steps = 0
         self.max_failed_steps = max_failed_steps
         self.failed_steps = 0  # steps in a row that failed for every sequence in them
+        self._outage = OutageLog(log, "decode loop")
         self.tick = time.monotonic()  # when the loop last went round (the wedge check)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -145,15 +147,20 @@ class Engine:
             self._take_new(block=not self.running)
             if not self.running:
                 continue
-            try:
+            try:  # on a Redis error the tokens stay in memory, written by a later step
                 ok = self.step()
-            except redis.RedisError as e:  # the tokens stay in memory and are written later
-                log.warning("redis error in step; retrying", extra={"error": describe(e)})
+            except REDIS_UNREACHABLE as e:
+                self._outage.failed(e)
+                self._stop.wait(0.5)
+                continue
+            except redis.RedisError:
+                log.exception("redis error in step; retrying")
                 self._stop.wait(0.5)
                 continue
             except Exception as e:
                 ok = False
                 self._fail_running(e)
+            self._outage.succeeded()
             if not ok:
                 metrics.FAILED_STEPS.inc()
             self.failed_steps = 0 if ok else self.failed_steps + 1
