@@ -17,6 +17,7 @@ from pathlib import Path
 import redis
 
 from .common import models, tls
+from .common.ownership import Orphan, OrphanFinder
 from .common.settings import SETTINGS_BY_SERVICE, ConfigError, ServiceSettings
 from .common.store import RequestStore
 
@@ -214,7 +215,34 @@ def cluster(settings: dict[str, ServiceSettings], addresses: dict[str, str]) -> 
         yield health(name, address)
     if not verifiers:
         yield Finding("fail", "verifiers", "none registered: nothing can be generated")
+    heartbeat = settings["verifier"].heartbeat_seconds
+    yield orphans_finding(store, scheduler.orphan_grace_seconds, heartbeat)
     yield rollout_finding(verifiers, store.rollout()["canary_share"])
+
+
+def orphans_finding(store: RequestStore, grace_seconds: float, period_seconds: float) -> Finding:
+    """Requests Redis records as running on a live verifier that does not run them
+    (common/ownership.py, the scheduler's rule); one missing from a verifier's list is looked
+    at again in its next lists (a few heartbeats at most)."""
+    finder = OrphanFinder(int(grace_seconds * 1000))
+    found: dict[str, Orphan] = {}
+    for attempt in range(4):
+        if attempt:
+            time.sleep(period_seconds)
+        claims = store.claims(store.owners())
+        live = {v["id"]: v for v in store.live("verifier")}
+        found |= {o.claim.request_id: o for o in finder.look(claims, live)}
+        if not finder.suspects:
+            break
+    if not found:
+        return Finding("ok", "orphaned requests", f"none ({len(claims)} running)")
+    named = "; ".join(f"{rid} ({o.detail})" for rid, o in sorted(found.items()))
+    return Finding(
+        "fail",
+        "orphaned requests",
+        f"{len(found)} running where their verifier does not run them: {named}. The scheduler "
+        "requeues them within seconds; if they stay, check that a scheduler is running",
+    )
 
 
 def rollout_finding(verifiers: list[dict], canary_share: float) -> Finding:

@@ -202,6 +202,12 @@ class SchedulerSettings(ServiceSettings):
         description="How long a verifier's registry entry must stay gone (its heartbeats "
         "missed) before its running requests are requeued.",
     )
+    orphan_grace_seconds: float = Field(
+        default=2.0,
+        ge=0,
+        description="A request a live verifier does not list among those it runs is requeued "
+        "if it was claimed this long before one list and is missing from the next one too.",
+    )
     reclaim_idle_seconds: float = Field(
         default=30.0,
         gt=0,

@@ -1,9 +1,9 @@
 """The Redis schema and every state transition of a request; the only module that writes it.
 
 Keys (prefix `specserve:`):
-  req:{id}        hash   spec (JSON), status, queue, entry_id, owner, cancel, generated,
-                         created_ms, admitted_ms, requeues, final (JSON), version and pool
-                         (of the verifier that claimed it last)
+  req:{id}        hash   spec (JSON), status, queue, entry_id, owner, incarnation (of the
+                         owner), cancel, generated, created_ms, admitted_ms, requeues,
+                         final (JSON), version and pool (of the verifier that claimed it last)
   out:{id}        stream one entry per step: first (absolute index), ids (comma list),
                          v (the model version that produced them); the last entry has
                          final (JSON). Only the owner appends, and only at index
@@ -15,9 +15,10 @@ Keys (prefix `specserve:`):
   requeued:{class} list  "entry_id rid" of requests put back in the queue, for the scheduler
                          to place ahead of their class
   queued:{class}  int    requests of the class with status queued (the queue length limit)
-  verifier:{id}   hash   address, model, version, pool, config, capacity, running,
-                         batch_capacity, batch_running, kv_budget, kv_reserved, kv_cached,
-                         max_seq_len (expires without heartbeats)
+  verifier:{id}   hash   address, incarnation, model, version, pool, config, capacity,
+                         running, batch_capacity, batch_running, kv_budget, kv_reserved,
+                         kv_cached, max_seq_len, request_ids (comma list of the requests it
+                         runs) and listed_ms (when it listed them) (expires without heartbeats)
   verifiers       set    registered verifier ids
   drafter:{id}    hash   address, proposer, pool (expires without heartbeats)
   drafters        set    registered drafter ids
@@ -32,8 +33,9 @@ verifier died or drained goes back to queued (requeue) with its progress kept in
 its next verifier prefills prompt + the tokens generated so far and goes on from there.
 A request that has generated tokens is claimed only by a verifier of the model version that
 generated them: no stream mixes versions.
-Every write of a running request is fenced by owner: a verifier that lost a request (it was
-requeued while that verifier was thought dead) can no longer write to it.
+Every write of a running request is fenced by owner and incarnation: a verifier that lost a
+request (it was requeued while that verifier was thought dead), or an earlier incarnation of a
+verifier that restarted under the same id, can no longer write to it.
 """
 
 from __future__ import annotations
@@ -119,15 +121,16 @@ redis.call('INCR', KEYS[3])
 return {0, waiting}
 """
 
-# Moves a queued request to running on verifier ARGV[1] (model version ARGV[5], pool
-# ARGV[6]). Returns 1 if claimed, 0 if not queued, 2 if it generated tokens on another version.
+# Moves a queued request to running on verifier ARGV[1], incarnation ARGV[7] (model version
+# ARGV[5], pool ARGV[6]). Returns 1 if claimed, 0 if not queued, 2 if it generated tokens on
+# another version.
 _CLAIM = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
 local version = redis.call('HGET', KEYS[1], 'version')
 if version and version ~= ARGV[5]
    and tonumber(redis.call('HGET', KEYS[1], 'generated')) > 0 then return 2 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'admitted_ms', ARGV[2],
-           'version', ARGV[5], 'pool', ARGV[6])
+           'version', ARGV[5], 'pool', ARGV[6], 'incarnation', ARGV[7])
 local counter = ARGV[3] .. redis.call('HGET', KEYS[1], 'queue')
 if tonumber(redis.call('GET', counter) or '0') > 0 then redis.call('DECR', counter) end
 redis.call('SADD', KEYS[2], ARGV[4])
@@ -135,7 +138,8 @@ redis.call('SADD', KEYS[3], ARGV[1])
 return 1
 """
 
-# One step of a running request, by its owner ARGV[1] (model version ARGV[5]): ids ARGV[3]
+# One step of a running request, by its owner ARGV[1] in incarnation ARGV[6] (model version
+# ARGV[5]): ids ARGV[3]
 # (comma list, ARGV[4] of them) from index ARGV[2]. Only the part past `generated` is
 # appended: a retried write that went through before appends nothing, one that went through
 # in part appends the rest.
@@ -144,7 +148,8 @@ return 1
 # Redis that lost writes leaves, it resends from there).
 _COMMIT = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running'
-   or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return {-1, 0} end
+   or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1]
+   or (redis.call('HGET', KEYS[1], 'incarnation') or '') ~= ARGV[6] then return {-1, 0} end
 local generated = tonumber(redis.call('HGET', KEYS[1], 'generated'))
 local first, n = tonumber(ARGV[2]), tonumber(ARGV[4])
 if generated >= first and generated < first + n then
@@ -160,12 +165,14 @@ if redis.call('HGET', KEYS[1], 'cancel') == '1' then cancel = 1 end
 return {cancel, generated}
 """
 
-# Ends a running request owned by ARGV[1] with status ARGV[2] and final ARGV[3]; KEYS[3] is
-# its queue, KEYS[4] the owner's set, KEYS[5] the session key ('' value: none).
+# Ends a running request owned by ARGV[1] in incarnation ARGV[9] with status ARGV[2] and final
+# ARGV[3]; KEYS[3] is its queue, KEYS[4] the owner's set, KEYS[5] the session key ('' value:
+# none).
 # Returns 1, or 0 if the caller does not own it (someone else finishes it).
 _FINISH = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running'
-   or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+   or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1]
+   or (redis.call('HGET', KEYS[1], 'incarnation') or '') ~= ARGV[9] then return 0 end
 redis.call('XADD', KEYS[2], '*', 'first', ARGV[4], 'ids', '', 'final', ARGV[3])
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'final', ARGV[3])
 local e = redis.call('HGET', KEYS[1], 'entry_id')
@@ -180,11 +187,17 @@ return 1
 
 # Puts a running request owned by ARGV[1] back in its queue (a new entry; the old one is acked
 # and deleted; the new one also listed in requeued:{class}), keeping its progress. KEYS[2] is
-# the owner's set. Returns 1, or 0 if it is not running there (ended, or already requeued).
+# the owner's set. Only the claim of incarnation ARGV[7] admitted at ARGV[8] ('*': any) is
+# requeued. Returns 1, or 0 if it is not running there (ended, already requeued, or claimed
+# since by another incarnation or again).
 _REQUEUE = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running'
    or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
   redis.call('SREM', KEYS[2], ARGV[5])
+  return 0
+end
+if (ARGV[7] ~= '*' and (redis.call('HGET', KEYS[1], 'incarnation') or '') ~= ARGV[7])
+   or (ARGV[8] ~= '*' and redis.call('HGET', KEYS[1], 'admitted_ms') ~= ARGV[8]) then
   return 0
 end
 local q = redis.call('HGET', KEYS[1], 'queue')
@@ -242,6 +255,17 @@ class RequestRecord:
     requeues: int = 0
     version: str = ""  # model version of the verifier that claimed it last
     pool: str = ""
+    incarnation: str = ""  # of the owner, when running
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A running request as Redis records who runs it."""
+
+    request_id: str
+    verifier_id: str
+    incarnation: str
+    admitted_ms: int  # on the verifier's clock
 
 
 class RequestStore:
@@ -418,14 +442,22 @@ class RequestStore:
         self.r.srem(members_key(kind), member_id)
         self.r.delete(member_key(kind, member_id))
 
-    def claim(self, rid: str, vid: str, at_ms: int, version: str = "", pool: str = "") -> int:
-        """Moves a queued request to running on verifier `vid` (serving model `version` in
-        `pool`), admitted at `at_ms`. Returns 1 if claimed, 0 if it is not queued, 2 if it
-        generated tokens on another model version (it must finish there)."""
+    def claim(
+        self,
+        rid: str,
+        vid: str,
+        at_ms: int,
+        version: str = "",
+        pool: str = "",
+        incarnation: str = "",
+    ) -> int:
+        """Moves a queued request to running on verifier `vid` in its `incarnation` (serving
+        model `version` in `pool`), admitted at `at_ms`. Returns 1 if claimed, 0 if it is not
+        queued, 2 if it generated tokens on another model version (it must finish there)."""
         return int(
             self._claim(
                 keys=[req_key(rid), owned_key(vid), OWNERS_KEY],
-                args=[vid, at_ms, f"{PREFIX}queued:", rid, version, pool],
+                args=[vid, at_ms, f"{PREFIX}queued:", rid, version, pool, incarnation],
             )
         )
 
@@ -439,13 +471,18 @@ class RequestStore:
                 ids.extend(chunk)
         return ids
 
-    def requeue(self, rid: str, vid: str) -> bool:
+    def requeue(
+        self, rid: str, vid: str, incarnation: str | None = None, admitted_ms: int | None = None
+    ) -> bool:
         """Hands a request running on `vid` back to its queue with its progress; False if
-        it was not running there."""
+        it was not running there. With `incarnation` (and `admitted_ms`), only that claim
+        of it: not one made since."""
+        fence = ["*" if incarnation is None else incarnation]
+        fence.append("*" if admitted_ms is None else str(admitted_ms))
         return bool(
             self._requeue(
                 keys=[req_key(rid), owned_key(vid)],
-                args=[vid, f"{PREFIX}queue:", GROUP, f"{PREFIX}queued:", rid, REQUEUED],
+                args=[vid, f"{PREFIX}queue:", GROUP, f"{PREFIX}queued:", rid, REQUEUED, *fence],
             )
         )
 
@@ -462,6 +499,22 @@ class RequestStore:
     def owners(self) -> list[str]:
         """Verifiers that may own running requests (registered or not)."""
         return sorted(self.r.smembers(OWNERS_KEY))
+
+    def claims(self, vids: list[str]) -> list[Claim]:
+        """The requests running on each of `vids`, as their records say (two round trips;
+        a member of owned:{vid} that ended or moved on is left out)."""
+        pipe = self.r.pipeline(transaction=False)
+        for vid in vids:
+            pipe.smembers(owned_key(vid))
+        sets = pipe.execute()
+        owned = [(vid, rid) for vid, rids in zip(vids, sets, strict=True) for rid in sorted(rids)]
+        for _, rid in owned:
+            pipe.hmget(req_key(rid), "status", "owner", "incarnation", "admitted_ms")
+        claims = []
+        for (vid, rid), (status, owner, inc, at) in zip(owned, pipe.execute(), strict=True):
+            if status == "running" and owner == vid:
+                claims.append(Claim(rid, vid, inc or "", int(at or 0)))
+        return claims
 
     def forget_owner(self, vid: str) -> None:
         """Drops `vid` from the owners if it owns nothing (a request it claims re-adds it)."""
@@ -498,13 +551,19 @@ class RequestStore:
             requeues=int(h.get("requeues", 0)),
             version=h.get("version", ""),
             pool=h.get("pool", ""),
+            incarnation=h.get("incarnation", ""),
         )
 
     def commit_step(
-        self, vid: str, steps: list[tuple[str, int, list[int]]], version: str = ""
+        self,
+        vid: str,
+        steps: list[tuple[str, int, list[int]]],
+        version: str = "",
+        incarnation: str = "",
     ) -> list[tuple[int, int] | None]:
         """One round trip per step: for each running (rid, first_index, new ids) of verifier
-        `vid` (serving model `version`), appends the ids to its output stream (see _COMMIT).
+        `vid` in its `incarnation` (serving model `version`), appends the ids to its output
+        stream (see _COMMIT).
         Returns per request (state, generated): state 1 if it was cancelled, -1 if `vid` no
         longer owns it (requeued elsewhere), else 0; None where the write failed (write it
         again)."""
@@ -512,7 +571,7 @@ class RequestStore:
         for rid, first, ids in steps:
             self._commit(
                 keys=[req_key(rid), out_key(rid)],
-                args=[vid, first, ",".join(map(str, ids)), len(ids), version],
+                args=[vid, first, ",".join(map(str, ids)), len(ids), version, incarnation],
                 client=pipe,
             )
         results = pipe.execute(raise_on_error=False)
@@ -531,10 +590,11 @@ class RequestStore:
         final: dict[str, Any],
         queue: str,
         session_id: str = "",
+        incarnation: str = "",
     ) -> bool:
-        """Ends a request running on `vid`: final stream entry, status, queue entry acked and
-        deleted; with `session_id`, the session's next turn is to go to `vid`. False if `vid`
-        no longer owns the request."""
+        """Ends a request running on `vid` in its `incarnation`: final stream entry, status,
+        queue entry acked and deleted; with `session_id`, the session's next turn is to go to
+        `vid`. False if `vid` (in that incarnation) no longer owns the request."""
         return bool(
             self._finish(
                 keys=[
@@ -553,6 +613,7 @@ class RequestStore:
                     vid if session_id else "",
                     rid,
                     RESULT_TTL_SECONDS,
+                    incarnation,
                 ],
             )
         )

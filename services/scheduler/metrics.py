@@ -43,7 +43,10 @@ QUEUE_WAIT = Histogram(
 )
 REQUEUED = Counter(
     "specserve_scheduler_requeued_total",
-    "Running requests put back in their queue because their verifier died.",
+    "Running requests put back in their queue because their verifier does not run them, by "
+    "reason: verifier_gone (its registry entry expired), earlier_incarnation (it restarted "
+    "under the same id), not_running (it does not list them).",
+    ["reason"],
 )
 RECLAIMED = Counter(
     "specserve_scheduler_reclaimed_total",

@@ -21,6 +21,7 @@ from ..common.store import QUEUE_CLASSES, RequestStore, now_ms
 from ..v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from . import metrics
 from .placement import VerifierLoad, Want, choose_verifier, class_order, parse_verifiers
+from .recovery import Recovery
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ CLASS_NAMES = {
 }
 
 
-EXPIRY_PERIOD_SECONDS = 0.5  # expiry of waiting requests, and the dead-verifier check
+EXPIRY_PERIOD_SECONDS = 0.5  # expiry of waiting requests, and the orphan check
 RECLAIM_PERIOD_SECONDS = 5.0
 EXPIRY_SCAN = 1000  # queue entries looked at per class and scan (running ones included)
 
@@ -145,8 +146,8 @@ class Placer:
     """Moves queued requests onto verifiers, interactive first (see `class_order`), a new
     request into the rollout pool its id falls in and a requeued one back onto its model
     version; ends requests that waited past their class timeout or deadline; requeues the
-    running requests of verifiers that died; takes over queue entries another scheduler read
-    and left."""
+    running requests their verifier does not run (`Recovery`); takes over queue entries
+    another scheduler read and left."""
 
     def __init__(
         self,
@@ -166,7 +167,7 @@ class Placer:
         # Entries read from the queues and not yet placed, per class (oldest first).
         self.waiting: dict[str, deque[tuple[str, str]]] = {c: deque() for c in QUEUE_CLASSES}
         self.streak = 0  # interactive placements in a row while batch work waited
-        self.missing: dict[str, float] = {}  # verifier id -> when its registry entry was gone
+        self.recovery = Recovery(settings, store)
         # Requeued requests whose model version no live verifier serves: request id ->
         # (class, queue entry, version, since when). They wait aside: their class goes on.
         self.parked: dict[str, tuple[str, tuple[str, str], str, float]] = {}
@@ -201,7 +202,7 @@ class Placer:
                     self._next_reclaim = now + RECLAIM_PERIOD_SECONDS
                 if now >= self._next_expiry:
                     self.expire_waiting()
-                    self.requeue_orphans()
+                    self.recovery.run()
                     self.take_requeued()
                     self.unpark()
                     self._next_expiry = now + EXPIRY_PERIOD_SECONDS
@@ -216,27 +217,6 @@ class Placer:
                 outage.succeeded()
             if not placed:
                 self.stop.wait(self.settings.placement_poll_seconds)
-
-    def requeue_orphans(self) -> None:
-        """Requeues, with their progress, the running requests of verifiers whose registry
-        entry has been gone (heartbeats missed) for the grace period."""
-        live = {v["id"] for v in self.store.live_verifiers()}
-        metrics.LIVE.labels("verifier").set(len(live))
-        metrics.LIVE.labels("drafter").set(len(self.store.live("drafter")))
-        now = time.monotonic()
-        for vid in self.store.owners():
-            if vid in live:
-                self.missing.pop(vid, None)
-                continue
-            gone = now - self.missing.setdefault(vid, now)
-            if gone < self.settings.dead_verifier_grace_seconds:
-                continue
-            for rid in self.store.owned(vid):
-                if self.store.requeue(rid, vid):
-                    metrics.REQUEUED.inc()
-                    log.warning("requeued", extra={"request_id": rid, "verifier": vid})
-            self.store.forget_owner(vid)
-            self.missing.pop(vid, None)
 
     def take_requeued(self) -> None:
         """Requests put back in their queue (by this loop, or by a draining verifier) are

@@ -54,6 +54,7 @@ class Engine:
         eos_ids: set[int],
         decode: Callable[[list[int]], str],
         verifier_id: str = "",
+        incarnation: str = "",
         served: dict[str, str] | None = None,
         prefix_cache: bool = True,
         max_failed_steps: int = 3,
@@ -67,6 +68,7 @@ class Engine:
         self.eos_ids = eos_ids
         self.decode = decode
         self.verifier_id = verifier_id
+        self.incarnation = incarnation  # with verifier_id, fences every write (store.py)
         # pool and model_version: on every step write and in every final
         self.served = served or {"pool": "", "model_version": ""}
         self.prefix_cache = prefix_cache
@@ -106,8 +108,10 @@ class Engine:
         return found
 
     def running_ids(self) -> list[str]:
+        """The requests in the batch, and those admitted that join it at the next step."""
         with self._lock:
-            return list(self.running)
+            joining = [s.request_id for s in list(self._inbox.queue)]
+            return list(self.running) + joining
 
     def start(self) -> None:
         self.thread.start()
@@ -133,7 +137,7 @@ class Engine:
         for seq in list(self.running.values()):
             try:
                 self._flush([seq])
-                handed += self.store.requeue(seq.request_id, self.verifier_id)
+                handed += self.store.requeue(seq.request_id, self.verifier_id, self.incarnation)
             except Exception:  # the reaper requeues it once this verifier is gone
                 log.exception("hand back failed", extra={"request_id": seq.request_id})
             self._drop(seq, "handed back")
@@ -354,6 +358,7 @@ class Engine:
             self.verifier_id,
             [(s.request_id, s.num_emitted, s.output_ids[s.num_emitted :]) for s in seqs],
             self.served["model_version"],
+            self.incarnation,
         )
         states = []
         for seq, result in zip(seqs, results, strict=True):
@@ -382,6 +387,7 @@ class Engine:
             seq.final_info() | self.served,
             seq.queue,
             seq.session_id if seq.kv_kept else "",
+            self.incarnation,
         )
         cancel_steps = self._forget(seq)
         if cancel_steps is not None:

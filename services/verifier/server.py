@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import secrets
 import threading
 from dataclasses import dataclass
 
@@ -113,6 +114,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.engine = engine
         self.store = store
         self.verifier_id = verifier_id
+        self.incarnation = engine.incarnation
         self.served = served
         self.draining = False  # set on SIGTERM: no new work
 
@@ -148,7 +150,12 @@ class VerifierService(pb_grpc.VerifierServicer):
             seq.trace_ctx = otel_context.get_current()
         try:
             claimed = self.store.claim(
-                rid, self.verifier_id, seq.admitted_ms, self.served.version, self.served.pool
+                rid,
+                self.verifier_id,
+                seq.admitted_ms,
+                self.served.version,
+                self.served.pool,
+                self.incarnation,
             )
         except Exception:
             admission.release(rid, seq.session_id, grant.prefix)
@@ -176,7 +183,11 @@ class VerifierService(pb_grpc.VerifierServicer):
         """Admit of a request this verifier holds: a retry (admitted), unless the request was
         requeued while this verifier was thought dead and its old copy is still leaving."""
         rec = self.store.get(rid)
-        if rec is not None and rec.owner == self.verifier_id and rec.status == "running":
+        mine = rec is not None and (rec.owner, rec.incarnation) == (
+            self.verifier_id,
+            self.incarnation,
+        )
+        if mine and rec.status == "running":
             return pb.AdmitResponse(admitted=True, free_slots=self._free())
         return pb.AdmitResponse(
             admitted=False, reason="an earlier copy of the request is still leaving this verifier"
@@ -207,7 +218,11 @@ class VerifierService(pb_grpc.VerifierServicer):
         return max(0, self.settings.batch_size - self.engine.admission.load()["running"])
 
     def registry_entry(self, address: str) -> dict:
-        """What the scheduler places by: slots per class, KV budget, limits."""
+        """What the scheduler places by (slots per class, KV budget, limits), and what it
+        checks ownership by: this start's incarnation and the requests running here, listed
+        at `listed_ms` (see common/ownership.py)."""
+        listed_ms = now_ms()  # (before the list: what is missing from it left by then)
+        request_ids = ",".join(self.engine.running_ids())
         admission = self.engine.admission
         load = admission.load()
         metrics.RUNNING.set(load["running"])
@@ -217,6 +232,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             metrics.ACCELERATOR_MEMORY.set(torch.cuda.memory_allocated())
         return {
             "address": address,
+            "incarnation": self.incarnation,
+            "request_ids": request_ids,
+            "listed_ms": listed_ms,
             "model": self.served.model,
             "version": self.served.version,
             "pool": self.served.pool,
@@ -268,6 +286,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         eos_ids=eos_ids,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         verifier_id=vid,
+        incarnation=secrets.token_hex(8),  # new at every start: see "Failures and recovery"
         served={"pool": served.pool, "model_version": served.version},
         prefix_cache=settings.prefix_cache,
     )
@@ -275,6 +294,8 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     pb_grpc.add_VerifierServicer_to_server(service, server.grpc)
     stop_hb = threading.Event()
     engine.start()
+    # Registered before it serves: a claim by this incarnation is never older than its entry.
+    store.heartbeat(vid, service.registry_entry(address), 3 * settings.heartbeat_seconds)
     server.start()
     heartbeat = threading.Thread(
         target=heartbeat_forever,
@@ -295,6 +316,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         "verifier ready",
         extra={
             "address": address,
+            "incarnation": engine.incarnation,
             "model": served.model,
             "version": served.version,
             "pool": served.pool,
