@@ -1,0 +1,153 @@
+"""A verifier that restarts at once under the same id (SIGKILL, then the same port again, as a
+StatefulSet container restarts in place) strands nothing: the scheduler sees the new
+incarnation and requeues what the old one ran, with its progress. And a request Redis says a
+live verifier runs, which that verifier does not run, is requeued within seconds whatever the
+cause. Every stream completes with the undisturbed greedy output, each index exactly once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from test_chaos import PROMPTS, Client, assert_nothing_lost, report
+
+from conftest import cluster_config
+from specserve.common.store import ENDED, GROUP, RequestStore, now_ms, queue_key, queued_key
+from specserve.common.store import req_key as request_key
+from specserve.local_cluster import LocalCluster
+from specserve.verifier.reference import hf_greedy
+
+REQUESTS = 6  # 4 batch slots: 4 run when the kill comes, 2 wait
+KINDS = 3  # distinct prompts (each twice): the reference outputs are slow to compute
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model_dir):
+    """One verifier (batch 4). Its registry entry is never gone long enough for the
+    dead-verifier path (grace 600 s): only the new incarnation can bring its requests back."""
+    config = cluster_config(
+        tiny_model_dir,
+        scheduler={"dead_verifier_grace_seconds": 600, "orphan_grace_seconds": 1.0},
+        verifier={"speculative_decoding": True, "draft_timeout_seconds": 1.0},
+    )
+    cluster = LocalCluster(config, tmp_path_factory.mktemp("restart"))
+    cluster.start(timeout=180)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def store(cluster):
+    return RequestStore.from_url(cluster.redis_url)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model, tokenizer):
+    from test_chaos import MAX_TOKENS
+
+    return {p: hf_greedy(tiny_model, tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS[:KINDS]}
+
+
+def requeue_lines(cluster: LocalCluster, reason: str) -> dict[str, dict]:
+    """The scheduler's "requeued" log lines with `reason`, by request id."""
+    text = cluster.procs["scheduler"].log_text()
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    return {
+        line["request_id"]: line
+        for line in lines
+        if line.get("msg") == "requeued" and line.get("reason") == reason
+    }
+
+
+def wait_for(what: str, check, timeout: float):
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
+        time.sleep(0.05)
+    return result
+
+
+def test_a_verifier_restarted_at_once_under_its_id_strands_nothing(
+    cluster, store, expected, tokenizer
+):
+    verifier = cluster.procs["verifier"]
+    vid, port = verifier.address, verifier.port
+    before = store.r.hget(f"specserve:verifier:{vid}", "incarnation")
+    address = cluster.procs["gateway"].address
+    clients = [
+        Client(f"restart-{i}", tokenizer(PROMPTS[i % KINDS]).input_ids) for i in range(REQUESTS)
+    ]
+    threads = [threading.Thread(target=c.run, args=(address,), daemon=True) for c in clients]
+    for t in threads:
+        t.start()
+    wait_for("4 streams under way", lambda: sum(c.received >= 8 for c in clients) >= 4, 60)
+    stranded = store.owned(vid)
+    in_flight = [c for c in clients if c.received and c.final is None]
+    killed_at = time.monotonic()
+    cluster.kill("verifier")  # SIGKILL
+    cluster.start_service("verifier", verifier_env(cluster), port=port, instance="verifier")
+    cluster.wait_ready("verifier", 120)
+    after = store.r.hget(f"specserve:verifier:{vid}", "incarnation")
+    for t in threads:
+        t.join(timeout=300)
+    row = report("verifier-restart", clients, in_flight, killed_at, store, expected, tokenizer)
+    assert_nothing_lost(row)
+    assert before and after and after != before
+    assert len(stranded) == 4
+    requeued = requeue_lines(cluster, "earlier_incarnation")
+    assert set(stranded) <= set(requeued)  # one line each, naming the reason
+    assert all(requeued[rid]["verifier"] == vid for rid in stranded)
+    assert all(store.get(rid).requeues >= 1 for rid in stranded)
+    assert store.owned(vid) == []
+
+
+def verifier_env(cluster: LocalCluster) -> dict[str, str]:
+    return {"SPECSERVE_VERIFIER_DRAFTER_ADDRESSES": f'["{cluster.procs["drafter"].address}"]'}
+
+
+def ended(store: RequestStore, rid: str):
+    rec = store.get(rid)
+    return rec if rec.status in ENDED else None
+
+
+def claim_behind_its_back(store: RequestStore, rid: str, prompt: list[int], vid: str) -> None:
+    """Creates a request already claimed by the live verifier's incarnation, in one
+    transaction (the scheduler cannot place it in between), without the verifier knowing:
+    a request it does not run."""
+    incarnation = store.r.hget(f"specserve:verifier:{vid}", "incarnation")
+    spec = {"request_id": rid, "prompt_ids": prompt, "max_tokens": 40}
+    pipe = store.r.pipeline(transaction=True)
+    store._create(
+        keys=[request_key(rid), queue_key("interactive"), queued_key("interactive")],
+        args=[json.dumps(spec), GROUP, 100, "interactive", now_ms(), rid],
+        client=pipe,
+    )
+    store._claim(
+        keys=[request_key(rid), f"specserve:owned:{vid}", "specserve:owners"],
+        args=[vid, now_ms(), "specserve:queued:", rid, "", "stable", incarnation],
+        client=pipe,
+    )
+    assert pipe.execute() == [[0, 0], 1]
+
+
+def test_a_request_its_verifier_does_not_run_is_requeued_and_completes(
+    cluster, store, tiny_model, tokenizer
+):
+    vid = cluster.procs["verifier"].address
+    prompt = tokenizer(PROMPTS[0]).input_ids
+    started = time.monotonic()
+    claim_behind_its_back(store, "not-running-here", prompt, vid)
+    assert store.get("not-running-here").status == "running"
+    line = wait_for(
+        "the requeue", lambda: requeue_lines(cluster, "not_running").get("not-running-here"), 15
+    )
+    found_s = time.monotonic() - started
+    print(f"\nnot running on its verifier: requeued after {found_s:.1f} s")
+    assert line["verifier"] == vid and "does not run it" in line["detail"]
+    rec = wait_for(
+        "the end", lambda: (r := store.get("not-running-here")).status in ENDED and r, 60
+    )
+    assert (rec.status, rec.requeues) == ("finished", 1)
+    assert store.progress("not-running-here") == hf_greedy(tiny_model, prompt, 40)
