@@ -183,11 +183,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         """Admit of a request this verifier holds: a retry (admitted), unless the request was
         requeued while this verifier was thought dead and its old copy is still leaving."""
         rec = self.store.get(rid)
-        mine = rec is not None and (rec.owner, rec.incarnation) == (
-            self.verifier_id,
-            self.incarnation,
-        )
-        if mine and rec.status == "running":
+        ours = (self.verifier_id, self.incarnation, "running")
+        if rec is not None and (rec.owner, rec.incarnation, rec.status) == ours:
             return pb.AdmitResponse(admitted=True, free_slots=self._free())
         return pb.AdmitResponse(
             admitted=False, reason="an earlier copy of the request is still leaving this verifier"
