@@ -6,6 +6,7 @@ cause. Every stream completes with the undisturbed greedy output, each index exa
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
@@ -50,15 +51,22 @@ def expected(tiny_model, tokenizer):
     return {p: hf_greedy(tiny_model, tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS[:KINDS]}
 
 
+def log_lines(cluster: LocalCluster, key: str) -> list[dict]:
+    text = cluster.procs[key].log_text()
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
 def requeue_lines(cluster: LocalCluster, reason: str) -> dict[str, dict]:
     """The scheduler's "requeued" log lines with `reason`, by request id."""
-    text = cluster.procs["scheduler"].log_text()
-    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     return {
         line["request_id"]: line
-        for line in lines
-        if line.get("msg") == "requeued" and line.get("reason") == reason
+        for line in log_lines(cluster, "scheduler")
+        if line["msg"] == "requeued" and line.get("reason") == reason
     }
+
+
+def seconds(ts: str) -> float:
+    return datetime.datetime.fromisoformat(ts).timestamp()
 
 
 def wait_for(what: str, check, timeout: float):
@@ -101,6 +109,15 @@ def test_a_verifier_restarted_at_once_under_its_id_strands_nothing(
     assert all(requeued[rid]["verifier"] == vid for rid in stranded)
     assert all(store.get(rid).requeues >= 1 for rid in stranded)
     assert store.owned(vid) == []
+    # What the earlier incarnation left goes first on the new one, before what was queued.
+    lines = log_lines(cluster, "scheduler")
+    last_requeue = max(i for i, line in enumerate(lines) if line["msg"] == "requeued")
+    queued = {c.rid for c in clients} - set(stranded)
+    placed = [line["request_id"] for line in lines[last_requeue:] if line["msg"] == "placed"]
+    assert sorted(placed[: len(stranded)]) == sorted(stranded) and queued <= set(placed)
+    ready = [line for line in log_lines(cluster, "verifier") if line["msg"] == "verifier ready"]
+    delay = seconds(lines[last_requeue]["ts"]) - seconds(ready[-1]["ts"])
+    print(f"requeued {delay:.2f} s after the new incarnation said it was ready")
 
 
 def verifier_env(cluster: LocalCluster) -> dict[str, str]:

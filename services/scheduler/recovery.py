@@ -28,6 +28,15 @@ class Recovery:
         self.store = store
         self.missing: dict[str, float] = {}  # verifier id -> when its registry entry was gone
         self.orphans = OrphanFinder(int(settings.orphan_grace_seconds * 1000))
+        # verifier id -> its incarnation when last seen live (kept while its entry is gone)
+        self.incarnations: dict[str, str] = {}
+
+    def restarted(self, entry: dict[str, str]) -> bool:
+        """True if a live verifier runs another incarnation than when a run last saw it:
+        until the next run has requeued what the earlier one left, nothing is placed on it
+        (what it left goes first)."""
+        incarnation = entry.get("incarnation", "")
+        return self.incarnations.get(entry["id"], incarnation) != incarnation
 
     def run(self) -> None:
         """Requeues the requests of verifiers gone for the grace period, and the orphans of
@@ -45,6 +54,7 @@ class Recovery:
             )
             if requeued:
                 self._requeued(claim.request_id, claim.verifier_id, orphan.reason, orphan.detail)
+        self.incarnations |= {vid: v.get("incarnation", "") for vid, v in live.items()}
 
     def _requeue_dead(self, owners: list[str], live: dict[str, dict[str, str]]) -> None:
         """The requests of verifiers whose registry entry has been gone (heartbeats missed)
@@ -63,6 +73,7 @@ class Recovery:
                     self._requeued(rid, vid, VERIFIER_GONE, detail)
             self.store.forget_owner(vid)
             self.missing.pop(vid, None)
+            self.incarnations.pop(vid, None)
 
     @staticmethod
     def _requeued(rid: str, vid: str, reason: str, detail: str) -> None:

@@ -267,7 +267,8 @@ class Placer:
 
     def place_some(self) -> bool:
         """Places waiting requests until none fits; True if any was placed."""
-        loads = parse_verifiers(self.store.live_verifiers())
+        rows = self.store.live_verifiers()
+        loads = parse_verifiers([v for v in rows if not self.recovery.restarted(v)])
         self.canary_share = None  # read once per pass, when a request first needs it
         placed, blocked = False, set()
         if not loads:
