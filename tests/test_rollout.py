@@ -224,7 +224,8 @@ def test_each_pool_reports_its_version(stub, store):
     pools = {p.pool: p for p in info.pools}
     assert set(pools) == {STABLE, CANARY}
     assert pools[STABLE].model_versions != pools[CANARY].model_versions  # other weights
-    assert pools[STABLE].model_versions == [info.name.rsplit("/", 1)[-1] + ":" + info.sha256[:12]]
+    name = info.name.rsplit("/", 1)[-1]
+    assert pools[STABLE].model_versions == [f"{name}:{info.sha256[:12]}:float32:cpu"]
     assert (pools[STABLE].share, pools[CANARY].share) == (1.0, 0.0)
     report = rollout.status(store)
     assert report["pools"][CANARY]["versions"] == list(pools[CANARY].model_versions)

@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 from ..common import models, telemetry
 from ..common.grpc_server import Server, retrying_channel
-from ..common.rollout import by_pool, pool_shares, versions
+from ..common.rollout import by_pool, choose_pool, pool_shares, versions
 from ..common.settings import GatewaySettings
 from ..common.store import RequestStore
 from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -78,8 +78,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.store = store
         self.scheduler = scheduler
         self.manifest = manifest
-        # The version this gateway tokenizes for; only its results are cached.
-        self.model_version = models.served_version(settings.model, manifest["sha256"])
         self.limits = Limits(
             vocab_size=len(tokenizer),
             max_seq_len=settings.max_seq_len,
@@ -124,10 +122,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         name = common_pb2.PriorityClass.Name(submit.priority)
         call.priority = name.removeprefix("PRIORITY_CLASS_").lower()  # as the queues name it
         self._open_stream(call, context, new_request=True)
-        cache_key = None
-        if request.use_result_cache:
-            cache_key = result_cache_key(submit, self.model_version)
-        if cache_key and (hit := self._cached_result(cache_key)):
+        cached = request.use_result_cache and replayable(submit)
+        if cached and (hit := self._cached_result(submit)):
             yield from self._replay(call, *hit, list(submit.stop))
             return
         try:
@@ -149,8 +145,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         for chunk in self._stream(call, list(submit.stop), context):
             ids.extend(chunk.token_ids)
             final = chunk.final if chunk.HasField("final") else None
-            if cache_key and final and final.model_version == self.model_version:
-                self._cache_result(cache_key, ids, final)
+            if cached and final and final.model_version:  # keyed on what produced it
+                self._cache_result(result_cache_key(submit, final.model_version), ids, final)
             yield chunk
 
     # --- who is calling, and what they may do -------------------------------------------------
@@ -231,9 +227,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         call.span.end()
 
     # --- result cache -----------------------------------------------------------------------
-    def _cached_result(self, key: str):
+    def _cached_result(self, submit: scheduler_pb2.SubmitRequest):
+        """A result that a version which would serve this request now produced, or None."""
         try:
-            return self.store.cached_result(key)
+            verifiers, share = self.store.live_verifiers(), self.store.rollout()["canary_share"]
+            for version in serving_versions(verifiers, share, submit.request_id):
+                if hit := self.store.cached_result(result_cache_key(submit, version)):
+                    return hit
+            return None
         except redis.RedisError:
             log.warning("result cache unavailable")
             return None
@@ -488,14 +489,27 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         ]
 
 
-def result_cache_key(submit: scheduler_pb2.SubmitRequest, model_version: str) -> str | None:
-    """The result cache key of a deterministic request (greedy, or sampling with a seed);
-    None for unseeded sampling, which is never cached. Speculation does not change a greedy
-    output, so it is not part of a greedy key."""
+def serving_versions(verifiers: list[dict[str, str]], canary_share: float, rid: str) -> list[str]:
+    """The model versions that would serve a new request now: those of the pool the share
+    sends it to (as the scheduler chooses), from the registry's live verifiers."""
+    pools = by_pool(verifiers)
+    if not pools:
+        return []
+    return versions(pools.get(choose_pool(rid, canary_share, set(pools)), []))
+
+
+def replayable(submit: scheduler_pb2.SubmitRequest) -> bool:
+    """Whether a request is deterministic (greedy, or sampling with a seed), so a result
+    cache entry may answer it; unseeded sampling never is."""
+    return submit.sampling.temperature <= 0 or submit.sampling.HasField("seed")
+
+
+def result_cache_key(submit: scheduler_pb2.SubmitRequest, model_version: str) -> str:
+    """The result cache key of a replayable request. `model_version` is the served version
+    (models.served_version: weights, dtype, device), so a result replays only where the same
+    version would serve the request again. Speculation does not change a greedy output, so
+    it is not part of a greedy key."""
     sampling = submit.sampling
-    seeded = sampling.HasField("seed")
-    if sampling.temperature > 0 and not seeded:
-        return None
     parts = {
         "model": model_version,
         "prompt": list(submit.prompt_ids),

@@ -84,7 +84,7 @@ class Served:
 
     pool: str
     model: str  # the configured model (name@version or path)
-    version: str  # models.served_version: name and weights' sha256 prefix
+    version: str  # models.served_version: name, weights' sha256 prefix, dtype, device
     sha256: str
     config: str  # sha256 prefix of the settings, less PLACE_KEYS
 
@@ -95,7 +95,9 @@ class Served:
         return cls(
             pool=settings.pool,
             model=settings.model.label,
-            version=models.served_version(settings.model, sha256),
+            version=models.served_version(
+                settings.model, sha256, dtype=settings.dtype, device=settings.device
+            ),
             sha256=sha256,
             config=config[:12],
         )

@@ -1,0 +1,102 @@
+"""The served model version names everything that changes a greedy output (weights, dtype,
+device), and the result cache keys on it: a result replays only where the version that
+produced it would serve the request again."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import redis
+
+from helpers import generate, request
+from specserve.common import models
+from specserve.common.rollout import CANARY, STABLE
+from specserve.common.settings import ModelRef, VerifierSettings
+from specserve.common.store import RequestStore, result_key
+from specserve.gateway.server import result_cache_key, serving_versions
+from specserve.v1 import generation_pb2, scheduler_pb2
+from specserve.verifier.server import Served
+
+DTYPES = ("float32", "bfloat16")
+
+
+def served(model_dir, **settings) -> Served:
+    ref = ModelRef(path=str(model_dir))
+    path, manifest = models.resolve(ref, model_dir)
+    return Served.of(VerifierSettings(model=ref, **settings), models.fingerprint(path, manifest))
+
+
+def test_two_dtypes_are_two_versions_with_two_cache_keys(tiny_model_dir):
+    by_dtype = {dtype: served(tiny_model_dir, dtype=dtype) for dtype in DTYPES}
+    versions = {dtype: s.version for dtype, s in by_dtype.items()}
+    assert versions["float32"] != versions["bfloat16"]
+    assert versions["float32"].endswith(":float32:cpu")
+    assert versions["bfloat16"].endswith(":bfloat16:cpu")
+    assert len({s.sha256 for s in by_dtype.values()}) == 1  # the same weights
+    greedy = scheduler_pb2.SubmitRequest(prompt_ids=[1, 2, 3], max_tokens=5)
+    assert len({result_cache_key(greedy, v) for v in versions.values()}) == 2
+    # The device is part of it too; what only places requests is not.
+    assert served(tiny_model_dir, device="cuda").version.endswith(":float32:cuda")
+    assert served(tiny_model_dir, port=1, batch_size=2).version == versions["float32"]
+
+
+def test_the_versions_looked_up_are_those_of_the_pool_a_request_goes_to():
+    rows = [
+        {"id": "a", "pool": STABLE, "version": "m:1:float32:cpu"},
+        {"id": "b", "pool": CANARY, "version": "m:1:bfloat16:cpu"},
+    ]
+    assert serving_versions(rows, 0.0, "any") == ["m:1:float32:cpu"]
+    assert serving_versions(rows, 1.0, "any") == ["m:1:bfloat16:cpu"]
+    assert serving_versions(rows[1:], 0.5, "any") == ["m:1:bfloat16:cpu"]  # stable is down
+    assert serving_versions([], 0.0, "any") == []
+
+
+def test_a_result_replays_only_on_the_dtype_that_produced_it(tiny_cluster, gateway, tokenizer):
+    """A bfloat16 verifier joins as the canary: the float32 result does not answer requests
+    sent there, and the bfloat16 one does not answer requests sent to float32."""
+    ids = tokenizer("def mean(xs):").input_ids
+    greedy = request(prompt_ids=ids, max_tokens=8, use_result_cache=True)
+    r = redis.Redis.from_url(tiny_cluster.redis_url, decode_responses=True)
+    store = RequestStore.from_url(tiny_cluster.redis_url)
+    first = generate(gateway, greedy)
+    f32 = first.final.model_version
+    assert f32.endswith(":float32:cpu") and not first.final.cached
+    assert generate(gateway, greedy).final.cached
+    submit = scheduler_pb2.SubmitRequest(prompt_ids=ids, max_tokens=8)
+    assert r.exists(result_key(result_cache_key(submit, f32)))
+
+    tiny_cluster.start_service(
+        "verifier",
+        {"SPECSERVE_VERIFIER_DTYPE": "bfloat16", "SPECSERVE_VERIFIER_POOL": CANARY},
+        instance="verifier-bf16",
+    )
+    try:
+        tiny_cluster.wait_ready("verifier-bf16", 120)
+        store.set_canary_share(1.0)
+        bf16 = wait_for_canary_version(gateway)
+        assert bf16.endswith(":bfloat16:cpu") and bf16.rsplit(":", 2)[0] == f32.rsplit(":", 2)[0]
+        on_bf16 = generate(gateway, greedy)
+        assert not on_bf16.final.cached and on_bf16.final.model_version == bf16
+        assert generate(gateway, greedy).final.cached  # now cached for bfloat16 too
+        assert r.exists(result_key(result_cache_key(submit, bf16)))
+        store.set_canary_share(0.0)
+        back = generate(gateway, greedy)
+        assert back.final.cached and back.final.model_version == f32
+        assert back.ids == first.ids
+    finally:
+        store.set_canary_share(0.0)
+        tiny_cluster.kill("verifier-bf16", signal.SIGTERM)  # drained: leaves the registry
+
+
+def wait_for_canary_version(gateway, timeout: float = 30) -> str:
+    """The canary pool's version once the gateway's registry read lists it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = gateway.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+        pools = {p.pool: list(p.model_versions) for p in info.pools}
+        if pools.get(CANARY):
+            return pools[CANARY][0]
+        time.sleep(0.05)
+    pytest.fail(f"no canary verifier registered within {timeout} s")
