@@ -44,6 +44,7 @@ test: setup
 bench: setup
 	$(PY) -m benchmarks.speculative --tokens 128 --dtype bfloat16
 	$(PY) -m benchmarks.plain_decode --dtype bfloat16
+	$(PY) -m benchmarks.plan_check --dtype bfloat16
 
 bench-load: setup
 	$(PY) -m benchmarks.load --rates 0.1,0.25,0.4,0.55 --duration 75 --tokens 48 --dtype bfloat16 --batch-size 4

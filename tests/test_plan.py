@@ -1,17 +1,15 @@
-"""`specserve plan` against numbers computed by hand, and against a decode measured here."""
+"""`specserve plan` against numbers computed by hand. Its bounds against a decode and a
+prefill timed here are a benchmark (benchmarks/plan_check.py), not a test."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import time
 
 import pytest
-import torch
 
 from conftest import default_target_dir
-from specserve.common import models
 from specserve.plan import (
     PRESETS,
     Load,
@@ -88,39 +86,22 @@ def test_the_default_pair_by_hand():
     assert value(result, "ttft_estimate_s") == pytest.approx(flops / 989e12 / 0.5 + step)
 
 
-def test_the_ceiling_bounds_a_decode_measured_here():
-    path = default_target_dir()
-    model = models.load_model(path, "cpu", "bfloat16")
-    ids = torch.tensor([[151644, 872, 198, 750, 16326]])
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=2, do_sample=False)  # warm up
-        started = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-        measured = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - started)
-    result = plan(shape_from_dir(path), None, measure_this_machine(), Load(1, ids.shape[1], 24))
-    ceiling = value(result, "plain_decode_ceiling_tokens_s_per_stream")
-    print(f"\nplain decode here: measured {measured:.2f} tokens/s, ceiling {ceiling:.2f} tokens/s")
-    assert 0 < measured <= ceiling
-
-
-def test_the_ttft_floor_bounds_a_prefill_measured_here():
-    path = default_target_dir()
-    model = models.load_model(path, "cpu", "bfloat16")
-    ids = torch.randint(1000, 20000, (1, 128))
-    with torch.inference_mode():
-        model(ids[:, :16])  # warm up
-        started = time.perf_counter()
-        model(ids, logits_to_keep=1)
-        measured = time.perf_counter() - started
-    device = measure_this_machine(dtype="bfloat16")
-    result = plan(shape_from_dir(path), None, device, Load(1, 128, 1))
-    floor = value(result, "ttft_floor_s")
-    estimate = value(result, "ttft_estimate_s")
-    print(
-        f"\nprefill of 128 tokens here: measured {measured:.3f} s, floor {floor:.3f} s "
-        f"(matmul {device.flops / 1e9:.0f} GFLOP/s), estimate {estimate:.3f} s"
-    )
-    assert floor <= measured
+def test_this_machine_is_measured_and_planned_for():
+    """What the plan says of this machine, whatever its speed (the measured decode and
+    prefill against these bounds are a benchmark: `python -m benchmarks.plan_check`)."""
+    device = measure_this_machine(sample_bytes=1 << 26, dtype="bfloat16")
+    assert device.source == "measured" and device.memory_bytes > 0
+    assert device.bandwidth_bytes_s > 0 and device.flops > 0
+    shape = shape_from_dir(default_target_dir())
+    result = plan(shape, None, device, Load(1, 128, 24))
+    assert result["device_bandwidth_bytes_s"]["source"] == "measured"
+    weights = shape.params * 2  # bfloat16
+    # a step at batch 1 reads the weights and the KV of one sequence at the mean context (140)
+    ceiling = device.bandwidth_bytes_s / (weights + 140 * shape.kv_bytes_per_token(2))
+    assert value(result, "plain_decode_ceiling_tokens_s_per_stream") == pytest.approx(ceiling)
+    floor = shape.prefill_flops(128) / device.flops
+    assert value(result, "ttft_floor_s") == pytest.approx(floor)
+    assert value(result, "ttft_estimate_s") > floor
 
 
 def test_the_command_prints_a_table_and_writes_json(tmp_path):
