@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from specserve.v1 import common_pb2, generation_pb2
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -69,3 +74,14 @@ def scrape(port: int) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
+
+
+def wait_until(check: Callable[[], T], what: str, timeout: float = 30, every: float = 0.05) -> T:
+    """Polls `check` until it returns something true and returns that; fails the test naming
+    `what` after `timeout` seconds (a wait that never ends is a failure, not a hang)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if result := check():
+            return result
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(every)

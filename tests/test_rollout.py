@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from conftest import cluster_config
-from helpers import request
+from helpers import request, wait_until
 from specserve import rollout
 from specserve.common.rollout import CANARY, STABLE, bucket, choose_pool, pool_shares
 from specserve.common.settings import SchedulerSettings
@@ -86,17 +86,22 @@ def register(store: RequestStore, vid: str, version: str) -> None:
 
 def test_a_request_whose_version_is_gone_waits_aside_then_fails_with_why(bare_store):
     placer = Placer(
-        SchedulerSettings(version_wait_seconds=0.3), bare_store, VerifierClients(), "test"
+        SchedulerSettings(version_wait_seconds=1.0), bare_store, VerifierClients(), "test"
     )
     handed_back(bare_store, "r", "m:1")
     register(bare_store, "v2", "m:2")  # free, but another version
     placer.take_requeued()
     assert not placer.place_some()  # nothing placed, and no Admit tried on m:2
     assert set(placer.parked) == {"r"} and not placer.waiting["interactive"]
-    time.sleep(0.4)
-    placer.unpark()
-    rec = bare_store.get("r")
-    assert rec.status == "failed" and not placer.parked
+    placer.unpark()  # well within version_wait_seconds: it waits on
+    assert set(placer.parked) == {"r"} and bare_store.get("r").status == "queued"
+
+    def failed() -> bool:
+        placer.unpark()
+        return bare_store.get("r").status == "failed"
+
+    wait_until(failed, "the parked request failed after version_wait_seconds", timeout=10)
+    assert not placer.parked
     final = json.loads(bare_store.r.xrevrange("specserve:out:r", count=1)[0][1]["final"])
     assert "m:1" in final["error"] and "no longer served" in final["error"]
     assert final["usage"]["completion_tokens"] == 1
