@@ -28,7 +28,12 @@ PROMPT = "Write a Python function that checks whether a string is a palindrome, 
 
 def cluster_rate(dtype: str, tokens: int, threads: int) -> dict:
     config = {
-        "verifier": {"dtype": dtype, "batch_size": 1, "torch_threads": threads},
+        "verifier": {
+            "dtype": dtype,
+            "batch_size": 1,
+            "interactive_reserved_slots": 0,
+            "torch_threads": threads,
+        },
         "drafter": {"proposer": "ngram"},
     }
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,17 +1,24 @@
 """Single-stream speculative decoding on the default pair, side by side in one run.
 
     python -m benchmarks.speculative [--tokens 128] [--dtype bfloat16] [--out benchmarks/results]
+                                     [--kinds code prose edit] [--only NAME ...] [--skip-hf]
 
 Three prompt kinds (code generation, prose, code editing with the code in the prompt), greedy,
 batch 1. Through the cluster (scheduler, verifier, gateway; the drafter restarted with each
 proposer setting): plain decoding, draft-model chains and trees, n-gram. In-process Hugging
-Face `generate` on the same models and dtype: plain, `assistant_model`, and
-`prompt_lookup_num_tokens=10`. Drafter rows marked int8 quantise the draft model's linear
-layers (CPU only); the target is always in --dtype. A drafter's max_depth with
-min_path_prob 0.2 (the default) makes "chain <=16" a chain that stops where the draft is unsure.
+Face `generate` on the same models: plain, `assistant_model` with the draft in --dtype and in
+int8 (like for like with each of our drafter rows), and `prompt_lookup_num_tokens=10`. The
+target is always in --dtype. A drafter's max_depth with min_path_prob 0.2 (the default) makes
+"chain <=16" a chain that stops where the draft is unsure.
 
-Decode tokens/s = tokens after the first step / time from the first step to the last, taken at
-the client for the cluster; for Hugging Face, (n - 1) / (time of n tokens - time of 1 token).
+Labels say what ran, not what was asked for: a drafter row's dtype is the one the running
+drafter reports in the registry, an HF assistant's is read off the loaded model, and each
+cluster row records the served version (target name, weights, dtype, device) of its output.
+
+Every system is timed the same way: one warm-up request ("Say hi.", 8 tokens) before its rows,
+then per prompt the arrival time of each token at the client (the gRPC stream; an HF
+`streamer`), on one clock (time.perf_counter). Decode tokens/s = tokens after the first
+arrival / time from the first arrival to the last; TTFT = first arrival - start.
 Writes <out>/speculative.json and <out>/speculative.png.
 """
 
@@ -28,30 +35,49 @@ from pathlib import Path
 import grpc
 import torch
 import yaml
+from transformers.generation.streamers import BaseStreamer
 
 from specserve.common import models
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
+from specserve.common.store import RequestStore
 from specserve.local_cluster import LocalCluster, free_port, without_security
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
 from .prompts import PROMPTS
 
-# name -> (drafter settings, tree size per step); None: speculation off
+WARM_UP = ("Say hi.", 8)
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}
+# label -> (drafter settings, tree size per step); None: speculation off. {dtype} becomes the
+# dtype the running drafter reports; a drafter without "dtype" here runs in --dtype.
 CHAIN = {"branching": 1, "width": 1}
 INT8 = {"dtype": "int8"}
 CONFIGS: dict[str, tuple[dict | None, int]] = {
     "plain": (None, 0),
-    "draft bf16 chain 4": ({**CHAIN, "max_depth": 4}, 4),
-    "draft int8 chain 6": ({**INT8, **CHAIN, "max_depth": 6}, 6),
-    "draft int8 chain <=16": ({**INT8, **CHAIN, "max_depth": 16}, 16),
-    "draft int8 tree 12": ({**INT8, "branching": 2, "width": 3, "max_depth": 6}, 12),
+    "draft {dtype} chain 4": ({**CHAIN, "max_depth": 4}, 4),
+    "draft {dtype} chain 6": ({**INT8, **CHAIN, "max_depth": 6}, 6),
+    "draft {dtype} chain <=16": ({**INT8, **CHAIN, "max_depth": 16}, 16),
+    "draft {dtype} tree 12": ({**INT8, "branching": 2, "width": 3, "max_depth": 6}, 12),
     "ngram 10": ({"proposer": "ngram", "ngram_depth": 10}, 10),
-    "hybrid int8 chain 6 + ngram 10": (
+    "hybrid {dtype} chain 6 + ngram 10": (
         {**INT8, **CHAIN, "proposer": "hybrid", "max_depth": 6, "ngram_depth": 10},
         10,
     ),
 }
+
+
+def timing(started: float, arrivals: list[tuple[float, int]]) -> dict:
+    """Figures from token arrivals (perf_counter time, tokens so far), the same for every
+    system: decode rate after the first arrival, end to end rate, time to first token."""
+    (t_first, n_first), (t_last, n) = arrivals[0], arrivals[-1]
+    return {
+        "tokens": n,
+        "decode_tokens_per_s": round((n - n_first) / (t_last - t_first), 2)
+        if t_last > t_first
+        else None,
+        "end_to_end_tokens_per_s": round(n / (t_last - started), 2),
+        "ttft_ms": round((t_first - started) * 1000),
+    }
 
 
 def stream(stub, prompt: str, tokens: int, tree_size: int) -> dict:
@@ -62,27 +88,50 @@ def stream(stub, prompt: str, tokens: int, tree_size: int) -> dict:
     if tree_size:
         req.speculation.tree_size = tree_size
     req.messages.messages.add(role="user", content=prompt)
-    ids, times, final = [], [], None
+    ids, arrivals, final = [], [], None
     started = time.perf_counter()
     for chunk in stub.Generate(req, timeout=1800):
-        ids.extend(chunk.token_ids)
-        times.append((time.perf_counter(), len(ids)))
+        if chunk.token_ids:
+            ids.extend(chunk.token_ids)
+            arrivals.append((time.perf_counter(), len(ids)))
         if chunk.HasField("final"):
             final = chunk.final
-    (t_first, n_first), (t_last, n) = times[0], times[-1]
     spec = final.speculation
-    return {
-        "tokens": n,
-        "decode_tokens_per_s": round((n - n_first) / (t_last - t_first), 2),
-        "end_to_end_tokens_per_s": round(n / (t_last - started), 2),
-        "ttft_ms": round(final.timings.ttft_ms),
+    return timing(started, arrivals) | {
         "mean_accepted_length": round(spec.mean_accepted_length, 2),
         "acceptance_rate": round(spec.accepted_tokens / spec.drafted_tokens, 3)
         if spec.drafted_tokens
         else None,
         "fallback_steps": spec.fallback_steps,
+        "target_version": final.model_version,
         "ids": ids,
     }
+
+
+def running_drafter_dtype(store: RequestStore, address: str, proposer: str) -> str:
+    """The dtype the drafter at `address` reports in the registry (what it loaded)."""
+    rows = [d for d in store.live("drafter") if d.get("address") == address]
+    if not rows or rows[0].get("proposer") != proposer:
+        raise RuntimeError(f"no {proposer} drafter registered at {address}: {rows}")
+    return rows[0]["dtype"]
+
+
+def start_drafter(cluster: LocalCluster, settings: dict, port: int) -> str:
+    """(Re)starts the drafter with `settings`; returns the dtype it reports running in."""
+    cluster.config["drafter"] = settings
+    cluster.config_path.write_text(yaml.safe_dump(cluster.config))
+    cluster.start_service("drafter", port=port)
+    cluster.wait_ready("drafter", 600)
+    store = RequestStore.from_url(cluster.redis_url)
+    return running_drafter_dtype(
+        store, f"127.0.0.1:{port}", settings.get("proposer", "draft_model")
+    )
+
+
+def wanted(label: str, args) -> bool:
+    if args.only and label != "plain" and not any(o in label for o in args.only):
+        return False
+    return args.device == "cpu" or "int8" not in label  # int8 drafts are CPU only
 
 
 def run_cluster(args) -> dict[str, dict[str, dict]]:
@@ -93,6 +142,7 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
             "device": args.device,
             "dtype": args.dtype,
             "batch_size": 1,
+            "interactive_reserved_slots": 0,
             "torch_threads": threads,
             "speculative_decoding": True,
             "speculation_policy": "fixed",  # the tree shapes measured here, every step
@@ -109,22 +159,22 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
             cluster.start(timeout=600, services=("scheduler", "verifier", "gateway"))
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)
-                for name, (drafter, tree_size) in CONFIGS.items():
-                    if args.only and name != "plain" and not any(o in name for o in args.only):
+                for template, (drafter, tree_size) in CONFIGS.items():
+                    asked = SHORT[(drafter or {}).get("dtype", args.dtype)]
+                    if not wanted(template.format(dtype=asked), args):
                         continue
-                    if args.device != "cpu" and (drafter or {}).get("dtype") == "int8":
-                        continue  # int8 drafts are CPU only
+                    label = template
                     if drafter is not None:
-                        cluster.config["drafter"] = {**config["drafter"], **drafter}
-                        cluster.config_path.write_text(yaml.safe_dump(cluster.config))
-                        cluster.start_service("drafter", port=drafter_port)
-                        cluster.wait_ready("drafter", 600)
-                    stream(stub, "Say hi.", 8, tree_size)  # warm up, connect the drafter
-                    results[name] = {}
-                    for kind, prompt in PROMPTS.items():
-                        results[name][kind] = r = stream(stub, prompt, args.tokens, tree_size)
+                        ran = start_drafter(cluster, {**config["drafter"], **drafter}, drafter_port)
+                        label = template.format(dtype=SHORT[ran])
+                    stream(stub, WARM_UP[0], WARM_UP[1], tree_size)  # and connect the drafter
+                    results[label] = {}
+                    for kind in args.kinds:
+                        results[label][kind] = r = stream(
+                            stub, PROMPTS[kind], args.tokens, tree_size
+                        )
                         print(
-                            f"{name:>14} {kind:>5}: {r['decode_tokens_per_s']:6.2f} tok/s, "
+                            f"{label:>30} {kind:>5}: {r['decode_tokens_per_s']} tok/s, "
                             f"accepted length {r['mean_accepted_length']}",
                             flush=True,
                         )
@@ -135,6 +185,33 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
     return results
 
 
+class Arrivals(BaseStreamer):
+    """An HF `streamer` that notes when each token arrives (the prompt's `put` aside)."""
+
+    def __init__(self):
+        self.seen_prompt = False
+        self.arrivals: list[tuple[float, int]] = []
+
+    def put(self, value) -> None:
+        now = time.perf_counter()
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        total = (self.arrivals[-1][1] if self.arrivals else 0) + value.numel()
+        self.arrivals.append((now, total))
+
+    def end(self) -> None:
+        pass
+
+
+def hf_stream(model, ids: list[int], tokens: int, pad: int, extra: dict) -> dict:
+    """A greedy `generate`, timed as the cluster's streams are."""
+    clock = Arrivals()
+    started = time.perf_counter()
+    new = hf_greedy(model, ids, tokens, pad_token_id=pad, streamer=clock, **extra)
+    return timing(started, clock.arrivals) | {"ids": new}
+
+
 def run_hf(args) -> dict[str, dict[str, dict]]:
     torch.set_num_threads(args.threads)
     cache = ServiceSettings.load(None).model_cache_dir
@@ -142,37 +219,32 @@ def run_hf(args) -> dict[str, dict[str, dict]]:
     draft_path, _ = models.resolve(DrafterSettings().draft_model, cache)
     tok = models.load_tokenizer(target_path)
     target = models.load_model(target_path, args.device, args.dtype)
-    draft = models.load_model(draft_path, args.device, args.dtype)
-    variants = {
-        "hf plain": {},
-        "hf assistant_model": {"assistant_model": draft},
-        "hf prompt_lookup 10": {"prompt_lookup_num_tokens": 10},
-    }
+    drafts = [models.load_model(draft_path, args.device, args.dtype)]
+    if args.device == "cpu":
+        drafts.append(models.load_model(draft_path, "cpu", "int8"))
+    variants = {"hf plain": {}}
+    for draft in drafts:  # labelled by the dtype the loaded draft runs in
+        variants[f"hf assistant_model (draft {SHORT[models.loaded_dtype(draft)]})"] = {
+            "assistant_model": draft
+        }
+    variants["hf prompt_lookup 10"] = {"prompt_lookup_num_tokens": 10}
+
+    def chat(prompt: str) -> list[int]:
+        messages = [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok(text).input_ids
+
     results: dict[str, dict[str, dict]] = {}
     for name, extra in variants.items():
+        if args.only and name != "hf plain" and not any(o in name for o in args.only):
+            continue
+        hf_stream(target, chat(WARM_UP[0]), WARM_UP[1], tok.eos_token_id, extra)
         results[name] = {}
-        for kind, prompt in PROMPTS.items():
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            ids = tok(text).input_ids
-
-            first_s, _ = hf_generate(target, ids, 1, tok.eos_token_id, extra)
-            total_s, new = hf_generate(target, ids, args.tokens, tok.eos_token_id, extra)
-            results[name][kind] = r = {
-                "tokens": len(new),
-                "decode_tokens_per_s": round((len(new) - 1) / (total_s - first_s), 2),
-                "ids": new,
-            }
-            print(f"{name:>20} {kind:>5}: {r['decode_tokens_per_s']:6.2f} tok/s", flush=True)
+        for kind in args.kinds:
+            ids = chat(PROMPTS[kind])
+            results[name][kind] = r = hf_stream(target, ids, args.tokens, tok.eos_token_id, extra)
+            print(f"{name:>30} {kind:>5}: {r['decode_tokens_per_s']} tok/s", flush=True)
     return results
-
-
-def hf_generate(model, ids: list[int], n: int, pad: int, extra: dict) -> tuple[float, list[int]]:
-    """Seconds for a greedy `generate` of n new tokens, and the new tokens."""
-    started = time.perf_counter()
-    new = hf_greedy(model, ids, n, pad_token_id=pad, **extra)
-    return time.perf_counter() - started, new
 
 
 def summarise(results: dict[str, dict[str, dict]]) -> None:
@@ -180,7 +252,8 @@ def summarise(results: dict[str, dict[str, dict]]) -> None:
     for name, by_kind in results.items():
         base = results["hf plain" if name.startswith("hf") else "plain"]
         for kind, r in by_kind.items():
-            r["speedup"] = round(r["decode_tokens_per_s"] / base[kind]["decode_tokens_per_s"], 2)
+            own, plain = r["decode_tokens_per_s"], base[kind]["decode_tokens_per_s"]
+            r["speedup"] = round(own / plain, 2) if own and plain else None
             n = min(len(r["ids"]), len(base[kind]["ids"]))
             r["same_tokens_as_plain"] = r["ids"][:n] == base[kind]["ids"][:n]
 
@@ -191,13 +264,14 @@ def chart(results: dict[str, dict[str, dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names, kinds = list(results), list(PROMPTS)
+    names, kinds = list(results), list(next(iter(results.values())))
     fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / len(kinds)
     for i, kind in enumerate(kinds):
-        values = [results[n][kind]["decode_tokens_per_s"] for n in names]
+        values = [results[n][kind]["decode_tokens_per_s"] or 0 for n in names]
         bars = ax.bar([x + i * width for x in range(len(names))], values, width, label=kind)
-        ax.bar_label(bars, labels=[f"{results[n][kind]['speedup']}x" for n in names], fontsize=7)
+        speedups = [results[n][kind]["speedup"] for n in names]
+        ax.bar_label(bars, labels=[f"{x}x" if x else "n/a" for x in speedups], fontsize=7)
     ax.set_xticks([x + width for x in range(len(names))], names, rotation=30, ha="right")
     ax.set_ylabel("decode tokens/s (label: speedup over own plain)")
     ax.set_title("Single stream, greedy, default pair on this machine")
@@ -215,8 +289,12 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--skip-hf", action="store_true", help="only the cluster rows")
     p.add_argument(
-        "--only", nargs="*", default=[], help="cluster rows whose name contains one of these"
+        "--only",
+        nargs="*",
+        default=[],
+        help="rows whose label contains one of these (the plain rows always run)",
     )
+    p.add_argument("--kinds", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     args = p.parse_args()
     results = run_cluster(args)
     if not args.skip_hf:
@@ -226,12 +304,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "command": f"python -m benchmarks.speculative --tokens {args.tokens} --dtype {args.dtype}"
-        f" --device {args.device}",
+        f" --device {args.device} --kinds {' '.join(args.kinds)}"
+        + (f" --only {' '.join(args.only)}" if args.only else "")
+        + (" --skip-hf" if args.skip_hf else ""),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads, "
         f"device {args.device}",
         "dtype": args.dtype,
         "max_tokens": args.tokens,
+        "timing": f"every system: one warm-up request {WARM_UP}, then per prompt token "
+        "arrivals at the client on time.perf_counter; decode tokens/s = tokens after the "
+        "first arrival / (last arrival - first arrival)",
         "results": {
             n: {k: {f: v for f, v in r.items() if f != "ids"} for k, r in by.items()}
             for n, by in results.items()

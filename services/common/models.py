@@ -318,6 +318,16 @@ def load_model(path: Path, device: str, dtype: str):
     return model
 
 
+def loaded_dtype(model) -> str:
+    """The dtype a loaded model runs in, read off the model: "int8" where load_model
+    quantised its linear layers, else its weights' dtype ("bfloat16", "float32", ...)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+    if any(isinstance(m, DynamicInt8Linear) for m in model.modules()):
+        return "int8"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 

@@ -90,6 +90,7 @@ def build(settings: DrafterSettings):
         "address": address,
         "proposer": settings.proposer,
         "pool": settings.pool,
+        "dtype": settings.dtype,  # what the draft model was loaded in
         "started_ms": now_ms(),
     }
     stop = threading.Event()
