@@ -5,19 +5,21 @@ from __future__ import annotations
 import concurrent.futures as cf
 import signal
 import threading
-import time
 
 import grpc
 import pytest
 import redis
 
 from conftest import cluster_config
-from helpers import generate, request, scrape
+from helpers import generate, request, scrape, wait_until
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "a b c a b c a b", "SELECT * FROM"]
+# Where the tiny draft (tiny_draft_dir) picks the tiny target's next token part of the time
+# (about a fifth to two fifths of it, greedy): drafts are both accepted and rejected.
+PARTLY_AGREED = ["import numpy as np\n", "x = 1\n", "import os\n"]
 
 
 def start(tmp_path, model_dir, draft_dir, **sections):
@@ -107,6 +109,56 @@ def test_concurrent_greedy_requests_equal_the_targets_output(
         cluster.stop()
 
 
+@pytest.mark.parametrize(
+    "shape", [{"branching": 2, "width": 4}, {"branching": 1, "width": 1}], ids=["tree", "chain"]
+)
+def test_an_imperfect_draft_is_rejected_where_it_errs_and_the_output_stays_the_targets(
+    tmp_path, stub_of, tiny_model_dir, tiny_draft_dir, tiny_model, tokenizer, shape
+):
+    """A draft model that is not the target: drafts are rejected over gRPC at every step
+    where the draft errs, and the output is still the target's, token for token."""
+    cluster = start(
+        tmp_path,
+        tiny_model_dir,
+        tiny_draft_dir,
+        drafter={"metrics_port": 0, **shape},
+        verifier={"metrics_port": 0, "draft_timeout_seconds": 60},  # no fallback on a busy CPU
+    )
+    try:
+        stub = stub_of(cluster)
+        jobs = [tokenizer(p).input_ids for p in PARTLY_AGREED]
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(
+                pool.map(lambda ids: generate(stub, request(prompt_ids=ids, max_tokens=40)), jobs)
+            )
+        for ids, res in zip(jobs, results, strict=True):
+            assert res.ids == hf_greedy(tiny_model, ids, 40)
+            stats = res.final.speculation
+            assert stats.fallback_steps == 0
+            assert stats.drafted_tokens > stats.accepted_tokens > 0, stats
+            assert stats.steps * stats.mean_accepted_length == pytest.approx(len(res.ids))
+        verifier = scrape(cluster.procs["verifier"].metrics_port)
+        drafted = sum(r.final.speculation.drafted_tokens for r in results)
+        accepted = sum(r.final.speculation.accepted_tokens for r in results)
+        assert verifier["specserve_verifier_drafted_tokens_total"] == drafted
+        assert verifier["specserve_verifier_accepted_tokens_total"] == accepted
+
+        # Seeded sampling through the rejection sampler. A random tiny model is nearly flat
+        # (no top-32 draft would hold against it), so the target keeps its top token only:
+        # p is a point mass and the output must be the greedy one; the draft samples at 0.02.
+        sampling = common_pb2.SamplingParams(temperature=0.02, top_k=1, seed=21)
+        sampled = [
+            generate(stub, request(prompt_ids=ids, max_tokens=40, sampling=sampling))
+            for ids in jobs
+        ]
+        assert [r.ids for r in sampled] == [r.ids for r in results]
+        drafted = sum(r.final.speculation.drafted_tokens for r in sampled)
+        accepted = sum(r.final.speculation.accepted_tokens for r in sampled)
+        assert drafted > accepted > 0, (drafted, accepted)
+    finally:
+        cluster.stop()
+
+
 def test_killing_the_drafter_mid_stream_changes_nothing_the_client_sees(
     tmp_path, stub_of, tiny_model_dir, tiny_draft_dir, tiny_model, tokenizer
 ):
@@ -166,16 +218,21 @@ def test_a_stalled_drafter_is_not_waited_for(
         stream = stub.Generate(request(prompt_ids=ids, max_tokens=300), timeout=120)
         chunks = [next(stream)]
         drafter.send_signal(signal.SIGSTOP)  # alive, holding its stream, answering nothing
-        threading.Timer(1.5, drafter.send_signal, (signal.SIGCONT,)).start()
+        resume = threading.Timer(1.5, drafter.send_signal, (signal.SIGCONT,))
+        resume.start()
         chunks.extend(stream)
         got = [t for c in chunks for t in c.token_ids]
         assert got == hf_greedy(tiny_model, ids, 300)
         assert chunks[-1].final.speculation.fallback_steps > 0
         # Back from the stall, its late answers are dropped and it drafts again.
-        time.sleep(2)
-        res = generate(stub, request(prompt_ids=ids, max_tokens=40))
-        assert res.ids == got[:40]
-        assert res.final.speculation.drafted_tokens > 0
+        resume.join()
+
+        def drafts_again():
+            res = generate(stub, request(prompt_ids=ids, max_tokens=40))
+            assert res.ids == got[:40]
+            return res.final.speculation.drafted_tokens > 0
+
+        wait_until(drafts_again, "drafts after the stall", timeout=60)
     finally:
         cluster.stop()
 
@@ -208,8 +265,7 @@ def test_drafters_join_and_leave_while_requests_stream(
         # A second drafter joins: the verifier finds it in the registry, without a restart.
         cluster.start_service("drafter", instance="drafter2")
         registry = redis.Redis.from_url(cluster.redis_url)
-        while registry.scard("specserve:drafters") < 2:
-            time.sleep(0.1)
+        wait_until(lambda: registry.scard("specserve:drafters") == 2, "two drafters registered")
         run_all()
         assert scrape(verifier_metrics)["specserve_verifier_drafters"] == 2
         proposals = {
