@@ -1,5 +1,7 @@
 """Serving under load through the whole cluster: continuous batching with chunked prefill, the KV
-budget, priority classes, session affinity with the prefix cache, the result cache."""
+budget, priority classes, session affinity with the prefix cache, the result cache. The tests
+of outputs run twice: plain decoding, and speculative with a draft model that is not the
+target (drafts rejected where it errs); the outputs are the same."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ import pytest
 import redis
 
 from conftest import cluster_config
-from helpers import generate, request, scrape
-from specserve.common.store import queued_key, req_key
+from helpers import generate, request, scrape, wait_until
+from specserve.common.store import RequestStore, queued_key, req_key
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import (
     common_pb2,
@@ -27,15 +29,25 @@ from specserve.v1 import (
 from specserve.verifier.reference import hf_greedy
 
 BATCH = common_pb2.PRIORITY_CLASS_BATCH
+# The same tests with speculation off and on (every step drafts a tree of 6, fixed).
+SPECULATION = pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 
 
 @pytest.fixture
-def cluster_of(tmp_path, tiny_model_dir):
-    """Starts a cluster of the tiny model with extra config; stops it (and its channels)."""
+def cluster_of(tmp_path, tiny_model_dir, tiny_draft_dir):
+    """Starts a cluster of the tiny model with extra config (speculative: drafts from the
+    tiny draft model); stops it (and its channels)."""
     started = []
 
-    def start(services=None, **sections) -> tuple[LocalCluster, generation_pb2_grpc.GenerationStub]:
+    def start(
+        services=None, speculative: bool = False, **sections
+    ) -> tuple[LocalCluster, generation_pb2_grpc.GenerationStub]:
         config = cluster_config(tiny_model_dir, **sections)
+        if speculative:
+            config["verifier"].update(
+                speculative_decoding=True, speculation_policy="fixed", verification_tree_size=6
+            )
+            config["drafter"].update(draft_model_path=str(tiny_draft_dir))
         cluster = LocalCluster(config, tmp_path / f"c{len(started)}")
         started.append(cluster)
         cluster.start(timeout=180, **({"services": services} if services else {}))
@@ -57,35 +69,55 @@ def verifier_status(cluster, key: str = "verifier") -> verifier_pb2.VerifierStat
         )
 
 
+def drafted_and_accepted(cluster) -> tuple[float, float]:
+    metrics = scrape(cluster.procs["verifier"].metrics_port)
+    return (
+        metrics["specserve_verifier_drafted_tokens_total"],
+        metrics["specserve_verifier_accepted_tokens_total"],
+    )
+
+
+@SPECULATION
 def test_sequences_joining_and_leaving_mid_batch_keep_greedy_outputs(
-    cluster_of, tiny_model, tokenizer
+    cluster_of, tiny_model, tokenizer, speculative
 ):
-    """Staggered arrivals, different lengths, prompts prefilled in chunks of 8 tokens next to
-    running decodes: every output is what the model gives the request alone."""
+    """Arrivals one after another's first token, different lengths, prompts prefilled in
+    chunks of 8 tokens next to running decodes: every output is what the model gives the
+    request alone."""
     cluster, stub = cluster_of(
-        verifier={"max_prefill_tokens": 8, "batch_size": 3, "metrics_port": 0}
+        verifier={"max_prefill_tokens": 8, "batch_size": 3, "metrics_port": 0},
+        speculative=speculative,
     )
     rng = random.Random(7)
     texts = ["def quicksort(xs):", "The quick brown fox", "SELECT name FROM users WHERE"]
     jobs = []
     for i in range(7):
         ids = tokenizer(texts[i % 3] * (1 + i % 3)).input_ids + [rng.randrange(1000)] * (i * 3)
-        jobs.append((ids, rng.randrange(5, 40), rng.random() * 0.4))
+        jobs.append((ids, rng.randrange(5, 40)))
+    streaming = [threading.Event() for _ in jobs]
 
-    def run(job):
-        ids, max_tokens, delay = job
-        time.sleep(delay)
-        return generate(stub, request(prompt_ids=ids, max_tokens=max_tokens))
+    def run(i: int):
+        """Job i arrives once job i-1 streams: it joins a batch that is decoding."""
+        if i:
+            assert streaming[i - 1].wait(timeout=120), f"job {i - 1} never streamed"
+        ids, max_tokens = jobs[i]
+        chunks = []
+        for chunk in stub.Generate(request(prompt_ids=ids, max_tokens=max_tokens), timeout=120):
+            chunks.append(chunk)
+            streaming[i].set()
+        return [t for c in chunks for t in c.token_ids]
 
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(run, jobs))
-    for (ids, max_tokens, _), res in zip(jobs, results, strict=True):
-        assert res.ids == hf_greedy(tiny_model, ids, max_tokens)
+        results = list(pool.map(run, range(len(jobs))))
+    for (ids, max_tokens), got in zip(jobs, results, strict=True):
+        assert got == hf_greedy(tiny_model, ids, max_tokens)
     metrics = scrape(cluster.procs["verifier"].metrics_port)
-    chunks = sum(-(-len(ids) // 8) for ids, _, _ in jobs)
+    chunks = sum(-(-len(ids) // 8) for ids, _ in jobs)
     assert metrics["specserve_verifier_prefill_chunks_total"] >= chunks
     assert metrics["specserve_verifier_prefill_tokens_total"] == sum(len(j[0]) for j in jobs)
     assert metrics["specserve_verifier_batch_size_sum"] > metrics["specserve_verifier_steps_total"]
+    drafted, accepted = drafted_and_accepted(cluster)
+    assert (drafted > accepted) if speculative else (drafted == 0)
 
 
 def test_the_kv_budget_queues_a_flood_and_rejects_what_can_never_fit(cluster_of, tokenizer):
@@ -187,24 +219,30 @@ def test_waiting_batch_work_is_placed_after_a_bounded_run_of_interactive_work(
         scheduler={"interactive_burst": 2},
     )
     ids = tokenizer("x = 1\n").input_ids
-    first = stub.Generate(request(prompt_ids=ids, max_tokens=200, request_id="i0"), timeout=120)
-    next(first)  # the one slot is busy; what follows waits
+    first = stub.Generate(request(prompt_ids=ids, max_tokens=1000, request_id="i0"), timeout=120)
+    next(first)  # the one slot is busy until i0 is cancelled; what follows waits
+    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+
+    def queued(cls: str, n: int) -> None:
+        wait_until(lambda: r.get(queued_key(cls)) == str(n), f"{n} queued {cls} requests")
+
     later = [
         stub.Generate(request(prompt_ids=ids, max_tokens=10, request_id=f"i{n}"), timeout=120)
         for n in range(1, 7)
     ]
-    time.sleep(0.3)
+    queued("interactive", 6)
     batch = stub.Generate(
         request(prompt_ids=ids, max_tokens=10, request_id="b", priority=BATCH), timeout=120
     )
-    time.sleep(0.3)
+    queued("batch", 1)
     more = [
         stub.Generate(request(prompt_ids=ids, max_tokens=10, request_id=f"j{n}"), timeout=120)
         for n in range(4)
     ]
-    for call in [first, *later, batch, *more]:
+    queued("interactive", 10)
+    first.cancel()  # the slot frees with everything queued in the order it arrived
+    for call in [*later, batch, *more]:
         list(call)
-    r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     admitted = {
         rid: int(r.hget(req_key(rid), "admitted_ms"))
         for rid in ["b", *(f"i{n}" for n in range(7)), *(f"j{n}" for n in range(4))]
@@ -214,21 +252,27 @@ def test_waiting_batch_work_is_placed_after_a_bounded_run_of_interactive_work(
     assert order.index("b") <= 3, order
 
 
+@SPECULATION
 def test_a_continued_session_reuses_its_prefix_on_the_verifier_that_holds_it(
-    cluster_of, tiny_model, tokenizer
+    cluster_of, tiny_model, tokenizer, speculative
 ):
-    cluster, stub = cluster_of()
+    cluster, stub = cluster_of(speculative=speculative)
     cluster.start_service("verifier", instance="verifier2")
     cluster.wait_ready("verifier2", 120)
     r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-    while len(r.smembers("specserve:verifiers")) < 2:
-        time.sleep(0.1)
+    wait_until(lambda: len(r.smembers("specserve:verifiers")) == 2, "two verifiers registered")
     turn1 = tokenizer("User: write a function that adds two numbers\nAssistant:").input_ids
     res1 = generate(stub, request(prompt_ids=turn1, max_tokens=24, session_id="chat-1"))
     owner = r.hget(req_key(res1.chunks[0].request_id), "owner")
     assert res1.final.usage.cached_prompt_tokens == 0
 
-    # Load the session's verifier, so that least-loaded placement alone would go elsewhere.
+    # Load the session's verifier, so that least-loaded placement alone would go elsewhere;
+    # once the registry shows both idle (the first turn's reservation gone from its beat).
+    def idle() -> bool:
+        rows = RequestStore.from_url(cluster.redis_url).live_verifiers()
+        return len(rows) == 2 and all(v["running"] == v["kv_reserved"] == "0" for v in rows)
+
+    wait_until(idle, "both verifiers idle in the registry")
     busy = stub.Generate(request(prompt_ids=turn1, max_tokens=1000, request_id="busy"), timeout=120)
     next(busy)
     assert r.hget(req_key("busy"), "owner") == owner  # idle verifiers tie: the first again
@@ -244,6 +288,9 @@ def test_a_continued_session_reuses_its_prefix_on_the_verifier_that_holds_it(
     alone = generate(stub, request(prompt_ids=turn2, max_tokens=24))
     assert alone.final.usage.cached_prompt_tokens == 0
     assert alone.ids == res2.ids
+    drafted = sum(r.final.speculation.drafted_tokens for r in (res1, res2, alone))
+    accepted = sum(r.final.speculation.accepted_tokens for r in (res1, res2, alone))
+    assert (drafted > accepted) if speculative else (drafted == 0)
 
 
 def test_the_result_cache_replays_deterministic_requests_only(gateway, tokenizer):

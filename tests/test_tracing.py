@@ -13,7 +13,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from conftest import cluster_config
-from helpers import generate, request, scrape
+from helpers import generate, request, scrape, wait_until
 from specserve.local_cluster import LocalCluster
 from specserve.plan import measured_acceptance
 from specserve.v1 import generation_pb2_grpc
@@ -74,21 +74,26 @@ def test_one_request_is_one_trace_across_all_four_services(traced):
     with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         generate(stub, request(prompt=PROMPT, max_tokens=8, request_id="traced-1"))
-    deadline = time.monotonic() + 20
-    while True:
+
+    def whole_trace():
+        """The request's spans once every service's are in and every parent is: a span is
+        exported when it ends, so a step's spans may come before the request's own."""
         roots = [
             span
             for _, span in list(collector.spans)
             if span.name == "gateway.generate" and "traced-1" in attribute_values(span)
         ]
         spans = collector.trace(roots[0].trace_id) if roots else []
+        ids = {span.span_id for _, span in spans}
         names = {span.name for _, span in spans}
-        if {s for s, _ in spans} >= SERVICES and "drafter.propose" in names:
-            break
-        assert time.monotonic() < deadline, f"spans so far: {sorted(names)}"
-        time.sleep(0.2)
-    time.sleep(0.5)  # the last spans of the request (its final steps)
-    spans = collector.trace(roots[0].trace_id)
+        complete = (
+            {s for s, _ in spans} >= SERVICES
+            and {"drafter.propose", "verifier.step", "verifier.verify"} <= names
+            and all(span.parent_span_id in ids for _, span in spans if span.parent_span_id)
+        )
+        return (roots, spans) if complete else None
+
+    roots, spans = wait_until(whole_trace, "the request's whole trace", timeout=20, every=0.1)
     by_id = {span.span_id: (service, span) for service, span in spans}
     children: dict[bytes, list] = {}
     for service, span in spans:
@@ -164,13 +169,21 @@ EXPECTED = {
 }
 
 
+def metrics_listing(port: int, names: list[str], timeout: float = 10) -> dict[str, float]:
+    """A metrics page once it lists `names` (a series appears when first set: the scheduler
+    refreshes its live-member gauges every 0.5 s), or as it is after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not all(n in (page := scrape(port)) for n in names) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return page
+
+
 def test_each_service_lists_its_metrics(traced):
     cluster, _ = traced
     with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
         generate(generation_pb2_grpc.GenerationStub(channel), request(prompt="x", max_tokens=4))
-    time.sleep(1.5)  # the scheduler's live-member gauges refresh every 0.5 s
     for service, names in EXPECTED.items():
-        page = scrape(cluster.procs[service].metrics_port)
+        page = metrics_listing(cluster.procs[service].metrics_port, names)
         assert page["process_resident_memory_bytes"] > 0, service
         missing = [name for name in names if name not in page]
         assert not missing, f"{service} does not list {missing}"
