@@ -219,6 +219,14 @@ class SchedulerSettings(ServiceSettings):
         description="How long a requeued request waits for a verifier of the model version it "
         "started on (its stream never mixes versions) before it fails.",
     )
+    tenant_slot_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Most of the live verifiers' batch slots one tenant's requests may hold "
+        "(at least one slot); the rest stay free for other tenants. 1 turns the cap off. "
+        "Requests without a tenant (auth off) are not capped.",
+    )
 
 
 class VerifierSettings(ServiceSettings):
@@ -291,6 +299,17 @@ class VerifierSettings(ServiceSettings):
         default="adaptive",
         description="adaptive: tree size per step from a cost model (down to 0); "
         "fixed: verification_tree_size.",
+    )
+    max_unread_tokens: int = Field(
+        default=256,
+        ge=0,
+        description="A sequence pauses (keeping its slot and KV) while it is this many tokens "
+        "ahead of what the gateway has sent its client; 0: never pause.",
+    )
+    pause_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="A sequence paused this long ends (cancelled) and frees its slot.",
     )
 
     @model_validator(mode="after")

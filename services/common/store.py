@@ -3,7 +3,9 @@
 Keys (prefix `specserve:`):
   req:{id}        hash   spec (JSON), status, queue, entry_id, owner, incarnation (of the
                          owner), cancel, generated, created_ms, admitted_ms, requeues,
-                         final (JSON), version and pool (of the verifier that claimed it last)
+                         final (JSON), version and pool (of the verifier that claimed it last),
+                         read (tokens the gateway has sent its client; absent: nobody
+                         streams it through a gateway)
   out:{id}        stream one entry per step: first (absolute index), ids (comma list),
                          v (the model version that produced them); the last entry has
                          final (JSON). Only the owner appends, and only at index
@@ -46,6 +48,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 import redis
@@ -144,8 +147,10 @@ return 1
 # appended: a retried write that went through before appends nothing, one that went through
 # in part appends the rest.
 # Returns {-1, 0} if the caller no longer owns the request (it must drop it), else
-# {cancel flag, generated}; the caller goes on from `generated` (after a gap, which only a
-# Redis that lost writes leaves, it resends from there).
+# {state, generated} with state 1 if it was cancelled, 2 if it is more than ARGV[7] (> 0)
+# tokens ahead of what its client was sent (`read`), 0 else (StepState); the caller goes on
+# from `generated` (after a gap, which only a Redis that lost writes leaves, it resends
+# from there).
 _COMMIT = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running'
    or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1]
@@ -160,9 +165,17 @@ if generated >= first and generated < first + n then
   generated = first + n
   redis.call('HSET', KEYS[1], 'generated', generated)
 end
-local cancel = 0
-if redis.call('HGET', KEYS[1], 'cancel') == '1' then cancel = 1 end
-return {cancel, generated}
+if redis.call('HGET', KEYS[1], 'cancel') == '1' then return {1, generated} end
+local limit = tonumber(ARGV[7])
+local read = redis.call('HGET', KEYS[1], 'read')
+if limit > 0 and read and generated - tonumber(read) > limit then return {2, generated} end
+return {0, generated}
+"""
+
+# The gateway has sent the client of a request ARGV[1] tokens (unless the request is gone).
+_READ = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'read', ARGV[1]) end
+return 1
 """
 
 # Ends a running request owned by ARGV[1] in incarnation ARGV[9] with status ARGV[2] and final
@@ -238,6 +251,15 @@ return {0, ''}
 """
 
 
+class StepState(IntEnum):
+    """What a step's write says about a running request (`RequestStore.commit_step`)."""
+
+    LOST = -1  # the verifier no longer owns it (requeued elsewhere): drop it
+    OK = 0
+    CANCELLED = 1
+    PAUSED = 2  # more unread tokens than the verifier allows: generate nothing for now
+
+
 @dataclass
 class RequestRecord:
     """What Redis holds about one request (decoded)."""
@@ -280,6 +302,7 @@ class RequestStore:
         self._commit = client.register_script(_COMMIT)
         self._finish = client.register_script(_FINISH)
         self._requeue = client.register_script(_REQUEUE)
+        self._read = client.register_script(_READ)
 
     @classmethod
     def from_url(cls, url: str) -> RequestStore:
@@ -496,6 +519,24 @@ class RequestStore:
         """Requests running on verifier `vid` (as Redis knows it)."""
         return sorted(self.r.smembers(owned_key(vid)))
 
+    def running_on(self, vids: list[str]) -> set[str]:
+        """Ids of the requests running on any of the verifiers `vids` (one round trip)."""
+        pipe = self.r.pipeline(transaction=False)
+        for vid in vids:
+            pipe.smembers(owned_key(vid))
+        return set().union(*pipe.execute()) if vids else set()
+
+    def tenants(self, rids: list[str]) -> dict[str, str]:
+        """The tenant of each request (empty: it has none, or it is gone); one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for rid in rids:
+            pipe.hget(req_key(rid), "spec")
+        specs = pipe.execute() if rids else []
+        return {
+            rid: json.loads(spec).get("tenant", "") if spec else ""
+            for rid, spec in zip(rids, specs, strict=True)
+        }
+
     def owners(self) -> list[str]:
         """Verifiers that may own running requests (registered or not)."""
         return sorted(self.r.smembers(OWNERS_KEY))
@@ -560,18 +601,28 @@ class RequestStore:
         steps: list[tuple[str, int, list[int]]],
         version: str = "",
         incarnation: str = "",
-    ) -> list[tuple[int, int] | None]:
+        max_unread: int = 0,
+    ) -> list[tuple[StepState, int] | None]:
         """One round trip per step: for each running (rid, first_index, new ids) of verifier
         `vid` in its `incarnation` (serving model `version`), appends the ids to its output
         stream (see _COMMIT).
-        Returns per request (state, generated): state 1 if it was cancelled, -1 if `vid` no
-        longer owns it (requeued elsewhere), else 0; None where the write failed (write it
+        Returns per request (state, generated): CANCELLED, LOST if `vid` no longer owns it
+        (requeued elsewhere), PAUSED if it has generated more than `max_unread` (> 0) tokens
+        past what its client was sent, else OK; None where the write failed (write it
         again)."""
         pipe = self.r.pipeline(transaction=False)
         for rid, first, ids in steps:
             self._commit(
                 keys=[req_key(rid), out_key(rid)],
-                args=[vid, first, ",".join(map(str, ids)), len(ids), version, incarnation],
+                args=[
+                    vid,
+                    first,
+                    ",".join(map(str, ids)),
+                    len(ids),
+                    version,
+                    incarnation,
+                    max_unread,
+                ],
                 client=pipe,
             )
         results = pipe.execute(raise_on_error=False)
@@ -580,7 +631,9 @@ class RequestStore:
             log.warning(
                 "step writes failed", extra={"failed": len(failed), "error": str(failed[0])}
             )
-        return [None if isinstance(r, Exception) else (int(r[0]), int(r[1])) for r in results]
+        return [
+            None if isinstance(r, Exception) else (StepState(int(r[0])), int(r[1])) for r in results
+        ]
 
     def finish(
         self,
@@ -619,6 +672,11 @@ class RequestStore:
         )
 
     # --- gateway side ---------------------------------------------------------------------
+    def mark_read(self, rid: str, sent: int) -> None:
+        """Records that the gateway has sent the request's client its first `sent` tokens
+        (the cursor a verifier pauses the request by)."""
+        self._read(keys=[req_key(rid)], args=[sent])
+
     def tail(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
         """Output-stream entries after last_id, waiting up to block_ms for the first."""
         resp = self.r.xread({out_key(rid): last_id}, block=block_ms, count=64)

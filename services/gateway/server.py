@@ -349,12 +349,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             speculation=req.speculation,
             deadline_unix_ms=deadline_ms,
             session_id=req.session_id,
+            tenant=who.tenant,
         )
 
     def _stream(self, call: Call, stop: list[str], context, start: int = 0):
         """Chunks of the output stream from token index `start` on; the tokens before it only
         prime the detokenizer and the stop trimmer, so the text continues seamlessly. Each
-        index is sent once, whatever the stream holds; a Redis outage pauses the stream."""
+        index is sent once, whatever the stream holds; a Redis outage pauses the stream.
+        After each batch of chunks, how far the client has been sent goes to the request's
+        `read` cursor: a yield blocks while the client does not read (gRPC flow control), so
+        the cursor stops, and the verifier pauses the request (`max_unread_tokens`)."""
         detok = IncrementalDetokenizer(
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         )
@@ -364,8 +368,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         outage = None
         call.streaming = True
         metrics.OPEN_STREAMS.inc()
+        marked = None  # the cursor as last written
         while context.is_active():
             try:
+                if marked != start:
+                    self.store.mark_read(rid, start)
+                    marked = start
                 entries = self.store.tail(rid, last_id, TAIL_BLOCK_MS)
                 outage = None
             except redis.RedisError:
@@ -415,7 +423,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if final.get("finish_reason") == "FINISH_REASON_ERROR":
             context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error or 'unknown'}")
         if final.get("finish_reason") == "FINISH_REASON_CANCELLED":
-            context.abort(grpc.StatusCode.CANCELLED, "the request was cancelled")
+            context.abort(grpc.StatusCode.CANCELLED, error or "the request was cancelled")
         if final.get("finish_reason") == "FINISH_REASON_DEADLINE":
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, error or "the deadline passed")
         info = json_format.ParseDict(final, generation_pb2.FinalInfo(), ignore_unknown_fields=True)

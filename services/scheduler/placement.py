@@ -3,6 +3,7 @@ Pure functions, no I/O."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from ..common.capacity import kv_need
@@ -104,3 +105,14 @@ def class_order(streak: int, burst: int, batch_waiting: bool) -> tuple[str, ...]
     if batch_waiting and streak >= burst:
         return ("batch", "interactive")
     return ("interactive", "batch")
+
+
+def tenant_cap(loads: list[VerifierLoad], share: float) -> int:
+    """The most slots one tenant may hold: `share` of the live verifiers' slots, at least
+    one."""
+    return max(1, int(share * sum(v.capacity for v in loads)))
+
+
+def under_cap(tenant: str, held: Counter[str], cap: int) -> bool:
+    """Whether a request of `tenant` may take one more slot (no tenant: no cap)."""
+    return not tenant or held[tenant] < cap

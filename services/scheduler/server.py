@@ -6,7 +6,7 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 
 import grpc
 from google.protobuf import json_format
@@ -17,10 +17,18 @@ from ..common.grpc_server import Server, retrying_channel
 from ..common.outage import REDIS_UNREACHABLE, OutageLog
 from ..common.rollout import POOLS, choose_pool
 from ..common.settings import SchedulerSettings
-from ..common.store import QUEUE_CLASSES, RequestStore, now_ms
+from ..common.store import QUEUE_CLASSES, RequestRecord, RequestStore, now_ms
 from ..v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from . import metrics
-from .placement import VerifierLoad, Want, choose_verifier, class_order, parse_verifiers
+from .placement import (
+    VerifierLoad,
+    Want,
+    choose_verifier,
+    class_order,
+    parse_verifiers,
+    tenant_cap,
+    under_cap,
+)
 from .recovery import Recovery
 
 log = logging.getLogger(__name__)
@@ -36,6 +44,7 @@ CLASS_NAMES = {
 EXPIRY_PERIOD_SECONDS = 0.5  # expiry of waiting requests, and the orphan check
 RECLAIM_PERIOD_SECONDS = 5.0
 EXPIRY_SCAN = 1000  # queue entries looked at per class and scan (running ones included)
+FAIR_WINDOW = 256  # waiting entries per class read ahead past tenants at their slot cap
 
 
 def ended_final(reason: str, prompt_tokens: int, error: str = "", generated: int = 0) -> dict:
@@ -172,6 +181,9 @@ class Placer:
         # (class, queue entry, version, since when). They wait aside: their class goes on.
         self.parked: dict[str, tuple[str, tuple[str, str], str, float]] = {}
         self.canary_share: float | None = None  # this pass's rollout share (see _pin)
+        self.tenant_of: dict[str, str] = {}  # request id -> tenant (waiting and running)
+        self.held: Counter[str] | None = None  # slots per tenant, this pass (see _slots_held)
+        self.running_ids: set[str] = set()  # requests running at the last count
         self._next_expiry = 0.0
         self._next_reclaim = 0.0
         self.stop = threading.Event()
@@ -270,6 +282,7 @@ class Placer:
         rows = self.store.live_verifiers()
         loads = parse_verifiers([v for v in rows if not self.recovery.restarted(v)])
         self.canary_share = None  # read once per pass, when a request first needs it
+        self.held = None  # read once per pass, when a request of a tenant first needs it
         placed, blocked = False, set()
         if not loads:
             blocked.update(QUEUE_CLASSES)
@@ -295,14 +308,49 @@ class Placer:
             self._add_waiting(cls, self.store.read_queue(cls, self.consumer, 1))
         return self.waiting[cls][0] if self.waiting[cls] else None
 
+    def _next(
+        self, cls: str, loads: list[VerifierLoad]
+    ) -> tuple[tuple[str, str], RequestRecord] | None:
+        """The oldest waiting request of `cls` whose tenant holds fewer slots than its cap
+        (`tenant_slot_share`), with its record; drops requests that ended meanwhile. Past
+        requests of tenants at their cap it reads further into the queue, up to FAIR_WINDOW
+        waiting, so one tenant's backlog never blocks another's requests."""
+        cap = tenant_cap(loads, self.settings.tenant_slot_share)
+        while True:
+            for entry in list(self.waiting[cls]):
+                tenant = self.tenant_of.get(entry[1])
+                if tenant and not under_cap(tenant, self._slots_held(loads), cap):
+                    continue  # (known to be capped: no lookup)
+                rec = self.store.get(entry[1])
+                if rec is None or rec.status != "queued":
+                    self.waiting[cls].remove(entry)  # cancelled or expired meanwhile
+                    continue
+                tenant = self.tenant_of.setdefault(entry[1], rec.spec.get("tenant", ""))
+                if not tenant or under_cap(tenant, self._slots_held(loads), cap):
+                    return entry, rec
+            room = FAIR_WINDOW - len(self.waiting[cls])
+            if room <= 0:
+                return None
+            count = room if self.waiting[cls] else 1  # (all capped: read ahead)
+            if not self._add_waiting(cls, self.store.read_queue(cls, self.consumer, count)):
+                return None
+
+    def _slots_held(self, loads: list[VerifierLoad]) -> Counter[str]:
+        """Slots each tenant holds on the live verifiers: their running requests as Redis
+        lists them (claimed in Admit, so exact at each pass), counted by tenant."""
+        if self.held is None:
+            running = self.store.running_on([v.verifier_id for v in loads])
+            unknown = [rid for rid in running if rid not in self.tenant_of]
+            self.tenant_of.update(self.store.tenants(unknown))
+            self.held = Counter(self.tenant_of[rid] for rid in running if self.tenant_of[rid])
+            self.running_ids = running
+        return self.held
+
     def _place_head(self, cls: str, loads: list[VerifierLoad]) -> bool:
-        """Places the oldest waiting request of `cls` (dropping ones that ended meanwhile);
-        False if there is none or it fits on no verifier now."""
-        while (head := self._head(cls)) is not None:
-            rec = self.store.get(head[1])
-            if rec is None or rec.status != "queued":
-                self.waiting[cls].popleft()  # cancelled or expired meanwhile
-                continue
+        """Places the next waiting request of `cls` (`_next`); False if there is none or it
+        fits on no verifier now."""
+        while (found := self._next(cls, loads)) is not None:
+            head, rec = found
             spec = rec.spec
             deadline = int(spec.get("deadline_unix_ms", 0))
             if deadline and deadline <= now_ms():
@@ -319,7 +367,7 @@ class Placer:
             eligible = want.eligible(loads)
             if not eligible:
                 if want.version:  # it started on a version no live verifier serves now
-                    self.waiting[cls].popleft()
+                    self.waiting[cls].remove(head)
                     parked = (cls, head, want.version, time.monotonic())
                     self.parked.setdefault(rec.request_id, parked)  # (or parked before)
                     continue
@@ -340,7 +388,7 @@ class Placer:
                 result = self._admit(target.address, rec.request_id, trace_ctx)
                 # refused or failed: full for this request for now
                 candidates = [v for v in candidates if v is not target]
-            self.waiting[cls].popleft()
+            self.waiting[cls].remove(head)
             if result:
                 queued = telemetry.tracer.start_span(
                     "scheduler.queue", context=trace_ctx, start_time=rec.created_ms * 1_000_000
@@ -348,6 +396,8 @@ class Placer:
                 queued.set_attributes({"class": cls, "requeues": rec.requeues})
                 queued.end()
                 target.take(cls, target.need(want.prompt_tokens, want.max_tokens))
+                if self.held is not None and (tenant := spec.get("tenant", "")):
+                    self.held[tenant] += 1
                 metrics.PLACED.labels(cls, target.pool).inc()
                 metrics.QUEUE_WAIT.labels(cls).observe(max(0, now_ms() - rec.created_ms) / 1e3)
                 metrics.SESSION_HITS.inc(target.verifier_id == want.session_owner)
@@ -375,11 +425,16 @@ class Placer:
             timeout_ms = int(self.timeouts[cls] * 1000)
             for rid in self.store.queued_before(cls, now - timeout_ms, EXPIRY_SCAN):
                 self._expire(rid, cls, f"waited in the {cls} queue past {self.timeouts[cls]:g}s")
-            for _, rid in list(self.waiting[cls]):
-                rec = self.store.get(rid)
-                deadline = int(rec.spec.get("deadline_unix_ms", 0)) if rec else 0
+            for entry in list(self.waiting[cls]):
+                rec = self.store.get(entry[1])
+                if rec is None or rec.status != "queued":
+                    self.waiting[cls].remove(entry)  # ended (behind a capped tenant's)
+                    continue
+                deadline = int(rec.spec.get("deadline_unix_ms", 0))
                 if deadline and deadline <= now:
-                    self._expire(rid, cls, "the deadline passed while it was queued")
+                    self._expire(entry[1], cls, "the deadline passed while it was queued")
+        keep = self.running_ids | {rid for cls in QUEUE_CLASSES for _, rid in self.waiting[cls]}
+        self.tenant_of = {r: t for r, t in self.tenant_of.items() if r in keep}
 
     def _expire(self, rid: str, cls: str, why: str) -> None:
         rec = self.store.get(rid)

@@ -6,6 +6,9 @@ request this verifier lost (requeued while it was thought dead) is dropped, not 
 Continuous batching: sequences join and leave at every step. A prompt is prefilled in chunks
 of at most `max_prefill_tokens` per step (interactive prompts first), in the same forward pass
 as the running sequences' decode steps, so a long prompt never stalls them.
+A sequence more than `max_unread_tokens` ahead of what its client was sent is paused: it
+keeps its slot and KV but takes no part in steps until its client reads again, and ends
+(cancelled) after `pause_timeout_seconds`, freeing both.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from opentelemetry import trace
 
 from ..common import telemetry
 from ..common.outage import REDIS_UNREACHABLE, OutageLog
-from ..common.store import RequestStore
+from ..common.store import RequestStore, StepState
 from ..common.tree import DraftTree
 from . import metrics
 from .acceptance import accept
@@ -58,6 +61,8 @@ class Engine:
         served: dict[str, str] | None = None,
         prefix_cache: bool = True,
         max_failed_steps: int = 3,
+        max_unread_tokens: int = 0,
+        pause_timeout_seconds: float = 30.0,
     ):
         self.runner = runner
         self.speculator = speculator
@@ -72,6 +77,8 @@ class Engine:
         # pool and model_version: on every step write and in every final
         self.served = served or {"pool": "", "model_version": ""}
         self.prefix_cache = prefix_cache
+        self.max_unread_tokens = max_unread_tokens  # 0: never pause
+        self.pause_timeout_seconds = pause_timeout_seconds
         self.running: dict[str, Sequence] = {}  # owned by the loop thread
         self._inbox: queue.Queue[Sequence] = queue.Queue()
         self._cancel: dict[str, int] = {}  # request id -> step count when cancelled
@@ -148,11 +155,11 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.tick = time.monotonic()
-            self._take_new(block=not self.running)
+            self._take_new(block=not self._runnable())
             if not self.running:
                 continue
             try:  # on a Redis error the tokens stay in memory, written by a later step
-                ok = self.step()
+                ok = self.step() if self._runnable() else self._watch_paused()
             except REDIS_UNREACHABLE as e:
                 self._outage.failed(e)
                 self._stop.wait(0.5)
@@ -303,7 +310,11 @@ class Engine:
         with self._lock:
             for seq in self.running.values():
                 seq.cancelled |= seq.request_id in self._cancel
-        active = [s for s in self.running.values() if not s.cancelled and not s.finish_reason]
+        active = [
+            s
+            for s in self.running.values()
+            if not s.cancelled and not s.finish_reason and s.paused_since is None
+        ]
         budget = self.max_prefill_tokens
         plan = []
         for seq in sorted(active, key=lambda s: s.queue != "interactive"):
@@ -343,30 +354,49 @@ class Engine:
         """Writes new tokens to Redis in one round trip; retires the sequences that ended and
         drops those this verifier no longer owns."""
         for seq, state in zip(seqs, self._flush(seqs), strict=True):
-            if state < 0:
+            if state == StepState.LOST:
                 self._drop(seq, "lost: the request was requeued elsewhere")
                 continue
-            seq.cancelled |= state == 1
+            seq.cancelled |= state == StepState.CANCELLED
+            if seq.end_if_paused(self.pause_timeout_seconds):
+                metrics.UNREAD_ENDED.inc()
             if self._finished(seq) and seq.num_emitted == len(seq.output_ids):
                 self._retire(seq)  # (with tokens still unwritten, after the next write)
 
-    def _flush(self, seqs: list[Sequence]) -> list[int]:
+    def _flush(self, seqs: list[Sequence]) -> list[StepState]:
         """Writes each sequence's unwritten tokens; per sequence the state commit_step
-        returns (1 cancelled, -1 not ours any more, 0 else). What Redis holds decides what
+        returns, and a sequence pauses or goes on as it says. What Redis holds decides what
         counts as written: a failed write is sent again with the next step."""
         results = self.store.commit_step(
             self.verifier_id,
             [(s.request_id, s.num_emitted, s.output_ids[s.num_emitted :]) for s in seqs],
             self.served["model_version"],
             self.incarnation,
+            self.max_unread_tokens,
         )
         states = []
         for seq, result in zip(seqs, results, strict=True):
-            state, generated = result or (0, seq.num_emitted)
-            if state >= 0:
+            state, generated = result or (StepState.OK, seq.num_emitted)
+            if state != StepState.LOST:
                 seq.num_emitted = min(generated, len(seq.output_ids))
+            if result is not None and seq.pause(state == StepState.PAUSED):
+                log.info(
+                    "paused: its client is not reading" if seq.paused_since else "resumed",
+                    extra={"request_id": seq.request_id, "generated": seq.num_emitted},
+                )
             states.append(state)
+        metrics.PAUSED.set(sum(s.paused_since is not None for s in self.running.values()))
         return states
+
+    def _runnable(self) -> bool:
+        """True if a running sequence is not paused."""
+        return any(s.paused_since is None for s in self.running.values())
+
+    def _watch_paused(self) -> bool:
+        """Every sequence is paused, so no step runs: one write checks whether their clients
+        read again (or the pause timed out)."""
+        self._emit(list(self.running.values()))
+        return True
 
     def _tail_text(self, seq: Sequence) -> str:
         longest = max(len(s) for s in seq.stop)

@@ -47,6 +47,13 @@ KV_RESERVED = Gauge(
 )
 KV_CACHED = Gauge("specserve_verifier_kv_cached_tokens", "KV tokens held by the prefix cache.")
 RUNNING = Gauge("specserve_verifier_running", "Sequences admitted to the batch.")
+PAUSED = Gauge(
+    "specserve_verifier_paused", "Sequences paused: their clients are not reading their output."
+)
+UNREAD_ENDED = Counter(
+    "specserve_verifier_unread_ended_total",
+    "Sequences ended after pause_timeout_seconds paused (their clients stopped reading).",
+)
 TREE_BUDGET = Histogram(
     "specserve_verifier_tree_budget",
     "Draft tree nodes asked for per sequence per step (0: plain decoding).",

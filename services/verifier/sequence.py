@@ -41,6 +41,7 @@ class Sequence:
     kv: SequenceKV | None = None  # the target's KV entries of all_ids[:kv.length]
     generator: torch.Generator | None = None
     cancelled: bool = False
+    paused_since: float | None = None  # monotonic; set while its client is not reading
     finish_reason: str | None = None  # FinishReason enum name once finished
     error: str = ""
     steps: int = 0
@@ -77,6 +78,24 @@ class Sequence:
         start = self.num_computed
         end = None if limit is None else start + limit
         return self.all_ids[start:end]
+
+    def pause(self, paused: bool) -> bool:
+        """Pauses the sequence (its client is not reading) or lets it go on; True if that
+        changed anything."""
+        if paused == (self.paused_since is not None):
+            return False
+        self.paused_since = time.monotonic() if paused else None
+        return True
+
+    def end_if_paused(self, timeout_seconds: float) -> bool:
+        """Ends the sequence (cancelled) if it has been paused for `timeout_seconds`: nobody
+        reads what it makes. True if it ended now."""
+        since = self.paused_since
+        if since is None or self.finish_reason or time.monotonic() - since < timeout_seconds:
+            return False
+        self.finish_reason = "FINISH_REASON_CANCELLED"
+        self.error = f"its client read no output for {timeout_seconds:g}s (pause_timeout_seconds)"
+        return True
 
     def extend(self, tokens: list[int], finished: Callable[[Sequence], str | None]) -> int:
         """Appends tokens until `finished` names a reason; returns how many were appended."""

@@ -288,6 +288,8 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         incarnation=secrets.token_hex(8),  # new at every start: see "Failures and recovery"
         served={"pool": served.pool, "model_version": served.version},
         prefix_cache=settings.prefix_cache,
+        max_unread_tokens=settings.max_unread_tokens,
+        pause_timeout_seconds=settings.pause_timeout_seconds,
     )
     service = VerifierService(settings, engine, store, vid, served)
     pb_grpc.add_VerifierServicer_to_server(service, server.grpc)
