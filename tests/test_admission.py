@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
 from specserve.common.capacity import kv_need
 from specserve.common.flat_model import SequenceKV
-from specserve.scheduler.placement import VerifierLoad, Want, choose_verifier, class_order
+from specserve.scheduler.placement import (
+    VerifierLoad,
+    Want,
+    choose_verifier,
+    class_order,
+    tenant_cap,
+    under_cap,
+)
 from specserve.verifier.admission import Admission, CachedPrefix, Refused
 
 
@@ -100,3 +109,13 @@ def test_batch_goes_first_after_a_burst_of_interactive_placements():
     assert class_order(0, 4, batch_waiting=True)[0] == "interactive"
     assert class_order(4, 4, batch_waiting=True)[0] == "batch"
     assert class_order(9, 4, batch_waiting=False)[0] == "interactive"
+
+
+def test_a_tenant_holds_at_most_its_share_of_the_slots():
+    loads = [load("a", capacity=8), load("b", capacity=4)]
+    assert tenant_cap(loads, 0.5) == 6 and tenant_cap(loads, 1.0) == 12
+    assert tenant_cap([load("a", capacity=1)], 0.5) == 1  # at least one slot
+    held = Counter({"greedy": 6, "modest": 1})
+    assert not under_cap("greedy", held, 6)
+    assert under_cap("modest", held, 6) and under_cap("new", held, 6)
+    assert under_cap("", held, 0)  # no tenant (auth off): never capped

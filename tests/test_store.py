@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from specserve.common.store import RequestStore, queue_key
+from specserve.common.store import RequestStore, StepState, queue_key
 from specserve.local_cluster import LocalCluster
 
 
@@ -128,3 +128,30 @@ def test_a_store_call_fails_cleanly_when_redis_stays_away(cluster):
     with pytest.raises(redis.ConnectionError):
         store.get("r")
     assert time.monotonic() - started < 15  # retried with backoff, then given up
+
+
+def test_a_request_pauses_while_its_client_is_too_far_behind(store):
+    running(store, "r")
+    # Nobody streams it through a gateway (no read cursor): it never pauses.
+    assert store.commit_step("v1", [("r", 0, [1, 2, 3, 4])], max_unread=2) == [(0, 4)]
+    store.mark_read("r", 1)  # the gateway has sent the first token
+    assert store.commit_step("v1", [("r", 4, [])], max_unread=2) == [(StepState.PAUSED, 4)]
+    assert store.commit_step("v1", [("r", 4, [])], max_unread=0) == [(0, 4)]  # (no bound)
+    store.mark_read("r", 2)  # the client reads on
+    assert store.commit_step("v1", [("r", 4, [])], max_unread=2) == [(0, 4)]
+    store.r.hset("specserve:req:r", "cancel", 1)  # a cancel wins
+    assert store.commit_step("v1", [("r", 4, [5, 6])], max_unread=2) == [(StepState.CANCELLED, 6)]
+    store.mark_read("gone", 3)  # no record of a request that is gone is made
+    assert store.get("gone") is None and not store.r.exists("specserve:req:gone")
+
+
+def test_running_requests_and_their_tenants(store):
+    for rid, tenant in (("a1", "a"), ("a2", "a"), ("b1", "b"), ("x", "")):
+        spec = {"prompt_ids": [1], "max_tokens": 5, "tenant": tenant} if tenant else {}
+        store.create(rid, spec or {"prompt_ids": [1], "max_tokens": 5}, "interactive", 10)
+    store.claim("a1", "v1", 0)
+    store.claim("b1", "v2", 0)
+    store.claim("x", "v2", 0)
+    assert store.running_on(["v1", "v2", "v3"]) == {"a1", "b1", "x"}
+    assert store.running_on([]) == set()
+    assert store.tenants(["a1", "a2", "x", "nope"]) == {"a1": "a", "a2": "a", "x": "", "nope": ""}
