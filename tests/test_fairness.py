@@ -34,6 +34,7 @@ def cluster(tmp_path_factory, tiny_model_dir):
     config = cluster_config(
         tiny_model_dir,
         gateway={"auth": "api_key", "max_workers": 96, "max_concurrent_rpcs": 96},
+        scheduler={"placement_poll_seconds": 0.01},
         verifier={
             "batch_size": BATCH,
             "max_unread_tokens": MAX_UNREAD,
@@ -58,25 +59,20 @@ def wait_for(what: str, check, timeout: float = 30.0):
     return value
 
 
-def median(runs: list[tuple[float, int]]) -> tuple[float, int]:
-    return tuple(sorted(values)[len(values) // 2] for values in zip(*runs, strict=True))
-
-
 def first_token(gateway, key: str, verifier) -> tuple[float, int]:
-    """A normal client's request: (seconds, verifier steps) from its call to its first
-    token. It reads to the end."""
+    """A normal client's request, read to the end: its time to first token as the cluster
+    measured it (from its submission, in seconds), and the verifier's steps from the call to
+    the first token."""
     steps = verifier.Status(verifier_pb2.VerifierStatusRequest(), timeout=5).steps
-    started = time.monotonic()
     call = gateway.Generate(
         request(prompt="def f():", max_tokens=4), timeout=60, metadata=auth(key)
     )
-    ttft = None
-    for chunk in call:
-        if ttft is None and chunk.token_ids:
-            ttft = time.monotonic() - started
-            ttft_steps = verifier.Status(verifier_pb2.VerifierStatusRequest(), timeout=5).steps
-    assert chunk.final.usage.completion_tokens == 4
-    return ttft, ttft_steps - steps
+    chunks = iter(call)
+    assert next(chunks).token_ids
+    steps = verifier.Status(verifier_pb2.VerifierStatusRequest(), timeout=5).steps - steps
+    final = list(chunks)[-1].final
+    assert final.usage.completion_tokens == 4
+    return final.timings.ttft_ms / 1e3, steps
 
 
 def test_a_tenant_hoarding_unread_streams_neither_blocks_another_nor_runs_on(cluster):
@@ -101,7 +97,7 @@ def test_a_tenant_hoarding_unread_streams_neither_blocks_another_nor_runs_on(clu
         assert len(ids) <= BATCH // 2, f"the hoarder holds {len(ids)} of {BATCH} slots"
         return ids
 
-    idle = [first_token(gateway, bystander, verifier) for _ in range(3)]
+    idle = [first_token(gateway, bystander, verifier) for _ in range(5)]
     stalled = grpc.insecure_channel(cluster.procs["gateway"].address, options=STALLED_CLIENT)
     hoarding = [
         generation_pb2_grpc.GenerationStub(stalled).Generate(
@@ -136,20 +132,21 @@ def test_a_tenant_hoarding_unread_streams_neither_blocks_another_nor_runs_on(clu
         wait_for(  # their slots went to the hoarder's next requests
             "the freed slots reused", lambda: set(hoarders_running()) - set(first)
         )
-        # The bystander's first token came within a few of the hoarder's steps of an idle
-        # cluster's: in steps counted by the verifier, and in time.
-        step_s = (
-            max(f["timings"]["decode_ms"] / (f["usage"]["completion_tokens"] - 1) for f in finals)
-            / 1e3
+        # The bystander's first token came within a few of the verifier's steps of an idle
+        # cluster's (both at worst: the wait for placement varies by a poll period, a step
+        # may be under way).
+        step_s = max(
+            f["timings"]["decode_ms"] / (f["usage"]["completion_tokens"] - 1) for f in finals
         )
-        idle_s, idle_steps = median(idle)
-        busy_s, busy_steps = max(s for s, _ in busy), max(n for _, n in busy)  # the worst
+        step_s /= 1e3
+        idle_s, busy_s = max(s for s, _ in idle), max(s for s, _ in busy)
+        late_steps = (busy_s - idle_s) / step_s
         print(
-            f"first token: idle {idle_s * 1e3:.0f} ms / {idle_steps} steps, next to the hoarder "
-            f"at worst {busy_s * 1e3:.0f} ms / {busy_steps} steps; a step {step_s * 1e3:.1f} ms"
+            f"first token at worst: idle {idle_s * 1e3:.0f} ms ({max(n for _, n in idle)} steps "
+            f"counted), next to the hoarder {busy_s * 1e3:.0f} ms ({max(n for _, n in busy)} "
+            f"steps counted); a step {step_s * 1e3:.1f} ms: {late_steps:.1f} steps later"
         )
-        assert busy_steps <= idle_steps + FEW_STEPS
-        assert busy_s <= idle_s + FEW_STEPS * step_s
+        assert late_steps <= FEW_STEPS
     finally:
         for call in hoarding:
             call.cancel()
