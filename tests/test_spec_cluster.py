@@ -44,6 +44,16 @@ def stub_of():
         channel.close()
 
 
+def generate_all(stub, jobs: list[list[int]], max_tokens: int):
+    """The prompts' results, all requested at once."""
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        return list(
+            pool.map(
+                lambda ids: generate(stub, request(prompt_ids=ids, max_tokens=max_tokens)), jobs
+            )
+        )
+
+
 @pytest.mark.parametrize(
     "proposer,shape",
     [
@@ -66,10 +76,7 @@ def test_concurrent_greedy_requests_equal_the_targets_output(
     try:
         stub = stub_of(cluster)
         jobs = [tokenizer(p).input_ids for p in PROMPTS[:3]]
-        with cf.ThreadPoolExecutor(len(jobs)) as pool:
-            results = list(
-                pool.map(lambda ids: generate(stub, request(prompt_ids=ids, max_tokens=40)), jobs)
-            )
+        results = generate_all(stub, jobs, 40)
         for ids, res in zip(jobs, results, strict=True):
             assert res.ids == hf_greedy(tiny_model, ids, 40)
             stats = res.final.speculation
@@ -127,10 +134,7 @@ def test_an_imperfect_draft_is_rejected_where_it_errs_and_the_output_stays_the_t
     try:
         stub = stub_of(cluster)
         jobs = [tokenizer(p).input_ids for p in PARTLY_AGREED]
-        with cf.ThreadPoolExecutor(len(jobs)) as pool:
-            results = list(
-                pool.map(lambda ids: generate(stub, request(prompt_ids=ids, max_tokens=40)), jobs)
-            )
+        results = generate_all(stub, jobs, 40)
         for ids, res in zip(jobs, results, strict=True):
             assert res.ids == hf_greedy(tiny_model, ids, 40)
             stats = res.final.speculation
