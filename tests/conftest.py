@@ -14,6 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from specserve.common import models  # noqa: E402
 from specserve.common.settings import ModelRef, ServiceSettings  # noqa: E402
+from specserve.common.store import RequestStore  # noqa: E402
 from specserve.local_cluster import LocalCluster, without_security  # noqa: E402
 from specserve.v1 import generation_pb2_grpc  # noqa: E402
 
@@ -84,6 +85,23 @@ def tiny_draft(tiny_draft_dir):
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
     return models.load_model(tiny_model_dir, DEVICE, "float32")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A private redis-server with AOF (a LocalCluster without services), to kill and restart."""
+    cluster = LocalCluster({}, tmp_path, redis_aof=True)
+    cluster.start_redis()
+    yield cluster
+    cluster.kill_redis()
+
+
+@pytest.fixture
+def redis_store(redis_server) -> RequestStore:
+    """A RequestStore on `redis_server`, with its queues made."""
+    store = RequestStore.from_url(redis_server.redis_url)
+    store.ensure_queues()
+    return store
 
 
 def cluster_config(model_dir: Path | None, **sections) -> dict:

@@ -8,7 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from specserve.v1 import common_pb2, generation_pb2
+import grpc
+
+from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 T = TypeVar("T")
 
@@ -85,3 +87,67 @@ def wait_until(check: Callable[[], T], what: str, timeout: float = 30, every: fl
             return result
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
         time.sleep(every)
+
+
+@dataclass
+class Client:
+    """One greedy request seen from a client that re-attaches (same request_id, resume_from
+    the next index) whenever its stream breaks: what arrived, when, and how often it
+    re-attached."""
+
+    rid: str
+    prompt_ids: list[int]
+    max_tokens: int = 400
+    arrivals: list[tuple[float, int, list[int]]] = field(default_factory=list)
+    final: generation_pb2.FinalInfo | None = None
+    error: str = ""
+    reattached: int = 0
+
+    @property
+    def received(self) -> int:
+        return sum(len(ids) for _, _, ids in self.arrivals)
+
+    def ids(self) -> list[int]:
+        return [t for _, _, ids in sorted(self.arrivals, key=lambda a: a[1]) for t in ids]
+
+    def indices(self) -> list[int]:
+        """Every index that arrived, as often as it arrived."""
+        return [first + k for _, first, ids in self.arrivals for k in range(len(ids))]
+
+    def next_index(self) -> int:
+        return max((first + len(ids) for _, first, ids in self.arrivals), default=0)
+
+    def run(self, address: str, give_up_s: float = 240) -> None:
+        """Generate; on a broken stream re-attach from the next index (Generate again if
+        the request never reached the queue) until the final chunk arrives."""
+        deadline = time.monotonic() + give_up_s
+        exists = False
+        with grpc.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            while time.monotonic() < deadline:
+                if exists or self.reattached:
+                    req = generation_pb2.GenerateRequest(
+                        request_id=self.rid, resume_from=self.next_index()
+                    )
+                else:
+                    req = request(prompt_ids=self.prompt_ids, max_tokens=self.max_tokens)
+                    req.request_id = self.rid
+                try:
+                    for chunk in stub.Generate(req, timeout=120):
+                        exists = True
+                        if chunk.token_ids:
+                            self.arrivals.append(
+                                (time.monotonic(), chunk.first_index, list(chunk.token_ids))
+                            )
+                        if chunk.HasField("final"):
+                            self.final = chunk.final
+                            return
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.NOT_FOUND:
+                        exists = False  # never accepted: submit it (again)
+                    elif e.code() != grpc.StatusCode.UNAVAILABLE:
+                        self.error = f"{e.code().name}: {e.details()}"
+                        return
+                self.reattached += 1
+                time.sleep(0.3)  # a client's retry backoff: the event it waits for is its next try
+            self.error = "gave up"

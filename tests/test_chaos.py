@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -16,7 +15,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import cluster_config
-from helpers import request
+from helpers import Client, request, wait_until
 from specserve.common.store import ENDED, GROUP, QUEUE_CLASSES, RequestStore, queue_key
 from specserve.local_cluster import LocalCluster, free_port
 from specserve.v1 import (
@@ -40,63 +39,6 @@ PROMPTS = [
 ]
 MAX_TOKENS = 400
 REQUESTS = 12  # more than the 8 batch slots: some wait in the queue when the kill comes
-
-
-@dataclass
-class Client:
-    """One request seen from the client: what arrived, when, and how often it re-attached."""
-
-    rid: str
-    prompt_ids: list[int]
-    arrivals: list[tuple[float, int, list[int]]] = field(default_factory=list)
-    final: generation_pb2.FinalInfo | None = None
-    error: str = ""
-    reattached: int = 0
-
-    @property
-    def received(self) -> int:
-        return sum(len(ids) for _, _, ids in self.arrivals)
-
-    def ids(self) -> list[int]:
-        return [t for _, _, ids in sorted(self.arrivals, key=lambda a: a[1]) for t in ids]
-
-    def run(self, address: str, give_up_s: float = 240) -> None:
-        """Generate; on a broken stream re-attach from the next index (Generate again if
-        the request never reached the queue) until the final chunk arrives."""
-        deadline = time.monotonic() + give_up_s
-        exists = False
-        with grpc.insecure_channel(address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            while time.monotonic() < deadline:
-                if exists or self.reattached:
-                    req = generation_pb2.GenerateRequest(
-                        request_id=self.rid, resume_from=self.next_index()
-                    )
-                else:
-                    req = request(prompt_ids=self.prompt_ids, max_tokens=MAX_TOKENS)
-                    req.request_id = self.rid
-                try:
-                    for chunk in stub.Generate(req, timeout=120):
-                        exists = True
-                        if chunk.token_ids:
-                            self.arrivals.append(
-                                (time.monotonic(), chunk.first_index, list(chunk.token_ids))
-                            )
-                        if chunk.HasField("final"):
-                            self.final = chunk.final
-                            return
-                except grpc.RpcError as e:
-                    if e.code() == grpc.StatusCode.NOT_FOUND:
-                        exists = False  # never accepted: submit it (again)
-                    elif e.code() != grpc.StatusCode.UNAVAILABLE:
-                        self.error = f"{e.code().name}: {e.details()}"
-                        return
-                self.reattached += 1
-                time.sleep(0.3)
-            self.error = "gave up"
-
-    def next_index(self) -> int:
-        return max((first + len(ids) for _, first, ids in self.arrivals), default=0)
 
 
 @pytest.fixture(scope="module")
@@ -200,16 +142,14 @@ def kill_and_restart(kind: str):
 def run_workload(cluster, store, expected, tokenizer, name: str, act) -> dict:
     address = cluster.procs["gateway"].address
     clients = [
-        Client(f"chaos-{name}-{i}", tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids)
+        Client(f"chaos-{name}-{i}", tokenizer(PROMPTS[i % len(PROMPTS)]).input_ids, MAX_TOKENS)
         for i in range(REQUESTS)
     ]
     threads = [threading.Thread(target=c.run, args=(address,), daemon=True) for c in clients]
     for t in threads:
         t.start()
         time.sleep(0.05)
-    waited = time.monotonic() + 60
-    while sum(c.received >= 8 for c in clients) < 4 and time.monotonic() < waited:
-        time.sleep(0.02)
+    wait_until(lambda: sum(c.received >= 8 for c in clients) >= 4, "4 streams under way", 60)
     in_flight = [c for c in clients if c.received and c.final is None]  # streaming now
     killed_at = time.monotonic()
     restore = act(cluster, store)
@@ -223,7 +163,7 @@ def run_workload(cluster, store, expected, tokenizer, name: str, act) -> dict:
 def report(name, clients, in_flight, killed_at, store, expected, tokenizer) -> dict:
     lost = duplicates = wrong = 0
     for c in clients:
-        indices = [first + k for _, first, ids in c.arrivals for k in range(len(ids))]
+        indices = c.indices()
         duplicates += len(indices) - len(set(indices))
         total = c.final.usage.completion_tokens if c.final else len(set(indices))
         missing = set(range(total)) - set(indices)

@@ -16,12 +16,11 @@ import time
 import pytest
 import torch
 
-from helpers import make_sequence
+from helpers import make_sequence, wait_until
 from specserve.common import models
 from specserve.common.flat_model import FlatModel
 from specserve.common.store import RequestStore
 from specserve.drafter.proposers import DraftJob, DraftModelProposer, TreeShape
-from specserve.local_cluster import LocalCluster
 from specserve.verifier import engine as engine_module
 from specserve.verifier.admission import Admission
 from specserve.verifier.engine import Engine
@@ -35,16 +34,8 @@ POISON = 4242  # a token whose embedding is inf: every logit after it is NaN
 
 
 @pytest.fixture
-def redis_server(tmp_path):
-    cluster = LocalCluster({}, tmp_path, redis_aof=True)
-    cluster.start_redis()
-    yield cluster
-    cluster.kill_redis()
-
-
-@pytest.fixture
-def store(redis_server):
-    return RequestStore.from_url(redis_server.redis_url)
+def store(redis_store):
+    return redis_store
 
 
 @pytest.fixture(scope="module")
@@ -228,31 +219,15 @@ def test_steps_that_fail_for_everyone_turn_health_off_and_end_their_requests(
     try:
         for i in range(engine.max_failed_steps):
             admit(engine, store, f"r{i}", PROMPTS[0])
-            deadline = time.monotonic() + 30
-            while store.get(f"r{i}").status != "failed":
-                assert time.monotonic() < deadline, "the request did not fail in time"
-                time.sleep(0.02)
+            wait_until(lambda i=i: store.get(f"r{i}").status == "failed", f"r{i} failed")
             assert "device lost" in final_of(store, f"r{i}")["error"]
-        deadline = time.monotonic() + 30
-        while engine.healthy():
-            assert time.monotonic() < deadline, "health stayed on"
-            time.sleep(0.02)
+        wait_until(lambda: not engine.healthy(), "health off")
         monkeypatch.undo()  # the device is back: the next good step turns health on
         admit(engine, store, "after", PROMPTS[1])
-        deadline = time.monotonic() + 60
-        while store.get("after").status != "finished":
-            assert time.monotonic() < deadline, "the request after recovery did not finish"
-            time.sleep(0.02)
+        wait_until(lambda: store.get("after").status == "finished", "the request after", 60)
         assert engine.healthy()
     finally:
         engine.stop()
-
-
-def wait_until(what: str, condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what}"
-        time.sleep(0.02)
 
 
 def test_a_redis_outage_pauses_the_loop_with_one_line_each_way(
@@ -262,11 +237,11 @@ def test_a_redis_outage_pauses_the_loop_with_one_line_each_way(
     engine.start()
     try:
         seq = admit(engine, store, "through", PROMPTS[0], max_tokens=400)
-        wait_until("tokens written", lambda: store.get("through").generated > 0)
+        wait_until(lambda: store.get("through").generated > 0, "tokens written", 60)
         redis_server.kill_redis()
-        wait_until("the loop noticed", lambda: "redis unreachable" in caplog.text)
+        wait_until(lambda: "redis unreachable" in caplog.text, "the loop noticed", 60)
         redis_server.start_redis()  # (with AOF: nothing written is lost)
-        wait_until("finished", lambda: store.get("through").status == "finished", 300)
+        wait_until(lambda: store.get("through").status == "finished", "finished", 300)
     finally:
         engine.stop()
     assert store.progress("through") == seq.output_ids == hf_greedy(tiny_model, PROMPTS[0], 400)

@@ -4,14 +4,13 @@ streams it never reads neither takes every batch slot nor generates for nobody."
 from __future__ import annotations
 
 import json
-import time
 
 import grpc
 import pytest
 import redis
 
 from conftest import cluster_config
-from helpers import request
+from helpers import request, wait_until
 from specserve.common.settings import DEFAULT_TIERS, Tier
 from specserve.common.store import req_key
 from specserve.gateway.keys import KeyStore
@@ -49,14 +48,6 @@ def cluster(tmp_path_factory, tiny_model_dir):
 
 def auth(key: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {key}")]
-
-
-def wait_for(what: str, check, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def first_token(gateway, key: str, verifier) -> tuple[float, int]:
@@ -108,30 +99,28 @@ def test_a_tenant_hoarding_unread_streams_neither_blocks_another_nor_runs_on(clu
         for i in range(HOARDED)
     ]  # opened, never read
     try:
-        first = wait_for(
-            "the hoarder at its cap", lambda: len(ids := hoarders_running()) == 2 and ids
+        first = wait_until(
+            lambda: len(ids := hoarders_running()) == 2 and ids, "the hoarder at its cap"
         )
         busy = [first_token(gateway, bystander, verifier) for _ in range(3)]
-        wait_for(
-            "the hoarder's streams to pause",
+        wait_until(
             lambda: cluster.procs["verifier"].log_text().count(PAUSED) >= len(first),
+            "the hoarder's streams to pause",
         )
         sent = {}
         for rid in first:  # paused a bounded way past what their client was sent
             generated, sent[rid] = map(int, r.hmget(req_key(rid), "generated", "read"))
             assert generated - sent[rid] <= MAX_UNREAD + 1, (generated, sent[rid])
-        wait_for(
-            "the paused streams to end",
+        wait_until(
             lambda: all(r.hget(req_key(rid), "status") == "cancelled" for rid in first),
-            timeout=PAUSE_TIMEOUT + 30,
+            "the paused streams to end",
+            PAUSE_TIMEOUT + 30,
         )
         finals = [json.loads(r.hget(req_key(rid), "final")) for rid in first]
         for rid, final in zip(first, finals, strict=True):  # not generated to the end
             assert "read no output for 3s" in final["error"]
             assert final["usage"]["completion_tokens"] <= sent[rid] + MAX_UNREAD + 1 < 1000
-        wait_for(  # their slots went to the hoarder's next requests
-            "the freed slots reused", lambda: set(hoarders_running()) - set(first)
-        )
+        wait_until(lambda: set(hoarders_running()) - set(first), "the freed slots reused")
         # The bystander's first token came within a few of the verifier's steps of an idle
         # cluster's (both at worst: the wait for placement varies by a poll period, a step
         # may be under way).

@@ -9,19 +9,13 @@ import pytest
 from specserve.common.ownership import EARLIER_INCARNATION, NOT_RUNNING, OrphanFinder
 from specserve.common.store import RequestStore, now_ms
 from specserve.doctor import orphans_finding
-from specserve.local_cluster import LocalCluster
 
 GRACE_MS = 1000
 
 
 @pytest.fixture
-def store(tmp_path):
-    cluster = LocalCluster({}, tmp_path)
-    cluster.start_redis()
-    store = RequestStore.from_url(cluster.redis_url)
-    store.ensure_queues()
-    yield store
-    cluster.kill_redis()
+def store(redis_store):
+    return redis_store
 
 
 def running(store: RequestStore, rid: str, incarnation: str, admitted_ms: int = 0) -> None:

@@ -12,9 +12,10 @@ import threading
 import time
 
 import pytest
-from test_chaos import PROMPTS, Client, assert_nothing_lost, report
+from test_chaos import MAX_TOKENS, PROMPTS, assert_nothing_lost, report
 
 from conftest import cluster_config
+from helpers import Client, wait_until
 from specserve.common.store import ENDED, GROUP, RequestStore, now_ms, queue_key, queued_key
 from specserve.common.store import req_key as request_key
 from specserve.local_cluster import LocalCluster
@@ -46,8 +47,6 @@ def store(cluster):
 
 @pytest.fixture(scope="module")
 def expected(tiny_model, tokenizer):
-    from test_chaos import MAX_TOKENS
-
     return {p: hf_greedy(tiny_model, tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS[:KINDS]}
 
 
@@ -69,14 +68,6 @@ def seconds(ts: str) -> float:
     return datetime.datetime.fromisoformat(ts).timestamp()
 
 
-def wait_for(what: str, check, timeout: float):
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
-        time.sleep(0.05)
-    return result
-
-
 def test_a_verifier_restarted_at_once_under_its_id_strands_nothing(
     cluster, store, expected, tokenizer
 ):
@@ -85,12 +76,13 @@ def test_a_verifier_restarted_at_once_under_its_id_strands_nothing(
     before = store.r.hget(f"specserve:verifier:{vid}", "incarnation")
     address = cluster.procs["gateway"].address
     clients = [
-        Client(f"restart-{i}", tokenizer(PROMPTS[i % KINDS]).input_ids) for i in range(REQUESTS)
+        Client(f"restart-{i}", tokenizer(PROMPTS[i % KINDS]).input_ids, MAX_TOKENS)
+        for i in range(REQUESTS)
     ]
     threads = [threading.Thread(target=c.run, args=(address,), daemon=True) for c in clients]
     for t in threads:
         t.start()
-    wait_for("4 streams under way", lambda: sum(c.received >= 8 for c in clients) >= 4, 60)
+    wait_until(lambda: sum(c.received >= 8 for c in clients) >= 4, "4 streams under way", 60)
     stranded = store.owned(vid)
     in_flight = [c for c in clients if c.received and c.final is None]
     killed_at = time.monotonic()
@@ -157,14 +149,14 @@ def test_a_request_its_verifier_does_not_run_is_requeued_and_completes(
     started = time.monotonic()
     claim_behind_its_back(store, "not-running-here", prompt, vid)
     assert store.get("not-running-here").status == "running"
-    line = wait_for(
-        "the requeue", lambda: requeue_lines(cluster, "not_running").get("not-running-here"), 15
+    line = wait_until(
+        lambda: requeue_lines(cluster, "not_running").get("not-running-here"), "the requeue", 15
     )
     found_s = time.monotonic() - started
     print(f"\nnot running on its verifier: requeued after {found_s:.1f} s")
     assert line["verifier"] == vid and "does not run it" in line["detail"]
-    rec = wait_for(
-        "the end", lambda: (r := store.get("not-running-here")).status in ENDED and r, 60
+    rec = wait_until(
+        lambda: (r := store.get("not-running-here")).status in ENDED and r, "the end", 60
     )
     assert (rec.status, rec.requeues) == ("finished", 1)
     assert store.progress("not-running-here") == hf_greedy(tiny_model, prompt, 40)

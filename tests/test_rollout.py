@@ -63,12 +63,8 @@ def test_a_pinned_request_is_placed_only_on_its_pool_or_version():
 
 # --- the placement loop against a real Redis (no verifier process) ------------------------
 @pytest.fixture
-def bare_store(tmp_path):
-    cluster = LocalCluster({}, tmp_path)
-    store = RequestStore.from_url(cluster.start_redis())
-    store.ensure_queues()
-    yield store
-    cluster.kill_redis()
+def bare_store(redis_store):
+    return redis_store
 
 
 def handed_back(store: RequestStore, rid: str, version: str) -> None:

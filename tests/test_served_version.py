@@ -5,12 +5,10 @@ produced it would serve the request again."""
 from __future__ import annotations
 
 import signal
-import time
 
-import pytest
 import redis
 
-from helpers import generate, request
+from helpers import generate, request, wait_until
 from specserve.common import models
 from specserve.common.rollout import CANARY, STABLE
 from specserve.common.settings import ModelRef, VerifierSettings
@@ -92,11 +90,9 @@ def test_a_result_replays_only_on_the_dtype_that_produced_it(tiny_cluster, gatew
 
 def wait_for_canary_version(gateway, timeout: float = 30) -> str:
     """The canary pool's version once the gateway's registry read lists it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def canary_versions() -> list[str]:
         info = gateway.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
-        pools = {p.pool: list(p.model_versions) for p in info.pools}
-        if pools.get(CANARY):
-            return pools[CANARY][0]
-        time.sleep(0.05)
-    pytest.fail(f"no canary verifier registered within {timeout} s")
+        return {p.pool: list(p.model_versions) for p in info.pools}.get(CANARY, [])
+
+    return wait_until(canary_versions, "a canary verifier registered", timeout)[0]

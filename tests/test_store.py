@@ -9,23 +9,11 @@ import pytest
 import redis
 
 from specserve.common.store import RequestStore, StepState, queue_key
-from specserve.local_cluster import LocalCluster
 
 
 @pytest.fixture
-def cluster(tmp_path):
-    """Only the private Redis of a LocalCluster (with AOF), for restarting it."""
-    cluster = LocalCluster({}, tmp_path, redis_aof=True)
-    cluster.start_redis()
-    yield cluster
-    cluster.kill_redis()
-
-
-@pytest.fixture
-def store(cluster):
-    store = RequestStore.from_url(cluster.redis_url)
-    store.ensure_queues()
-    return store
+def store(redis_store):
+    return redis_store
 
 
 def running(store: RequestStore, rid: str, vid: str = "v1") -> None:
@@ -106,14 +94,14 @@ def test_entries_a_dead_consumer_read_are_reclaimed(store):
     assert store.pending_entries("interactive", "dead-scheduler") == []
 
 
-def test_an_aof_restart_of_redis_loses_no_written_step(cluster, store):
+def test_an_aof_restart_of_redis_loses_no_written_step(redis_server, store):
     running(store, "r")
     for i in range(5):
         store.commit_step("v1", [("r", i, [i])])
-    cluster.kill_redis()
+    redis_server.kill_redis()
     assert not store.ping()
     time.sleep(0.5)  # Redis is away for a moment
-    cluster.start_redis()
+    redis_server.start_redis()
     # The client reconnects by itself; the scripts are loaded again.
     for i in range(5, 10):
         assert store.commit_step("v1", [("r", i, [i])]) == [(0, i + 1)]
@@ -121,9 +109,9 @@ def test_an_aof_restart_of_redis_loses_no_written_step(cluster, store):
     assert store.ping()
 
 
-def test_a_store_call_fails_cleanly_when_redis_stays_away(cluster):
-    store = RequestStore.from_url(cluster.redis_url)
-    cluster.kill_redis()
+def test_a_store_call_fails_cleanly_when_redis_stays_away(redis_server):
+    store = RequestStore.from_url(redis_server.redis_url)
+    redis_server.kill_redis()
     started = time.monotonic()
     with pytest.raises(redis.ConnectionError):
         store.get("r")

@@ -11,18 +11,15 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import pytest
 import yaml
 
 from conftest import cluster_config
-from helpers import request
+from helpers import Client, wait_until
 from specserve.local_cluster import free_port
 from specserve.supervisor import Decision, RestartPolicy, Supervisor, Verdict
-from specserve.v1 import generation_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
 
@@ -147,68 +144,20 @@ class Up:
             self.popen.wait(timeout=60)
 
 
-@dataclass
-class Client:
-    """A greedy request that re-attaches (same request_id, resume_from) until it ends."""
-
-    rid: str
-    prompt_ids: list[int]
-    address: str
-    arrivals: list[tuple[int, list[int]]] = field(default_factory=list)
-    done: bool = False
-    error: str = ""
-
-    def received(self) -> int:
-        return sum(len(ids) for _, ids in self.arrivals)
-
-    def run(self, give_up_s: float = 240) -> None:
-        deadline = time.monotonic() + give_up_s
-        submitted = False
-        with grpc.insecure_channel(self.address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            while time.monotonic() < deadline:
-                if submitted:
-                    nxt = max((f + len(ids) for f, ids in self.arrivals), default=0)
-                    req = generation_pb2.GenerateRequest(request_id=self.rid, resume_from=nxt)
-                else:
-                    req = request(prompt_ids=self.prompt_ids, max_tokens=MAX_TOKENS)
-                    req.request_id = self.rid
-                try:
-                    for chunk in stub.Generate(req, timeout=120):
-                        submitted = True
-                        if chunk.token_ids:
-                            self.arrivals.append((chunk.first_index, list(chunk.token_ids)))
-                        if chunk.HasField("final"):
-                            self.done = True
-                            return
-                except grpc.RpcError as e:
-                    if e.code() == grpc.StatusCode.NOT_FOUND:
-                        submitted = False  # it never reached the queue: submit it again
-                    elif e.code() != grpc.StatusCode.UNAVAILABLE:
-                        self.error = f"{e.code().name}: {e.details()}"
-                        return
-                time.sleep(0.2)
-            self.error = "gave up"
-
-    def indices(self) -> list[int]:
-        return [first + k for first, ids in self.arrivals for k in range(len(ids))]
-
-    def ids(self) -> list[int]:
-        return [t for _, ids in sorted(self.arrivals) for t in ids]
-
-
 def start_client(rid: str, prompt_ids: list[int], address: str) -> tuple[Client, threading.Thread]:
-    client = Client(rid, prompt_ids, address)
-    thread = threading.Thread(target=client.run, daemon=True)
+    client = Client(rid, prompt_ids, MAX_TOKENS)
+    thread = threading.Thread(target=client.run, args=(address,), daemon=True)
     thread.start()
     return client, thread
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not within {timeout}s"
-        time.sleep(0.02)
+def took(sock: socket.socket, port: int) -> bool:
+    """Binds `sock` to the port; False while another process still holds it."""
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
 
 
 def left_running(workdir: str, pids: set[int]) -> list[str]:
@@ -252,11 +201,11 @@ def test_up_restarts_each_member_killed_mid_stream_and_loses_nothing(
             ids = tokenizer(prompt).input_ids
             expected = hf_greedy(tiny_model, ids, MAX_TOKENS)
             streaming, t1 = start_client(f"up-{member}-1", ids, address)
-            wait_until(lambda c=streaming: c.received() >= 8, 60, f"{member}: first tokens")
+            wait_until(lambda c=streaming: c.received >= 8, f"{member}: first tokens", 60)
             mark = len(up.lines)
             pid, member_address = members[member]
             os.kill(pid, signal.SIGKILL)
-            at_kill = streaming.received()
+            at_kill = streaming.received
             after, t2 = start_client(f"up-{member}-2", ids, address)  # sent while it is down
             up.wait_for(rf"{member} \(pid {pid}\) exited with -9; restart 1 in", 30, mark)
             back = up.wait_for(rf"{member} is back: pid (\d+) on (\S+)", 120, mark)
@@ -265,7 +214,7 @@ def test_up_restarts_each_member_killed_mid_stream_and_loses_nothing(
             seen.add(int(back[1]))
             for client, thread in ((streaming, t1), (after, t2)):
                 thread.join(timeout=300)
-                assert client.done, f"{member}: {client.rid} {client.error or 'hangs'}"
+                assert client.final, f"{member}: {client.rid} {client.error or 'hangs'}"
                 indices = client.indices()
                 assert sorted(indices) == list(range(MAX_TOKENS)), f"{member}: gap or repeat"
                 assert client.ids() == expected, f"{member}: {client.rid} differs"
@@ -290,14 +239,8 @@ def test_up_stops_with_the_member_that_crash_loops(tmp_path, up_config):
         os.kill(pid, signal.SIGKILL)
         squatter = socket.socket()  # takes the verifier's port before it comes back
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                squatter.bind(("127.0.0.1", int(address.rsplit(":", 1)[1])))
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the verifier's port stays taken"
-                time.sleep(0.01)
+        port = int(address.rsplit(":", 1)[1])
+        wait_until(lambda: took(squatter, port), "the verifier's port freed", 10, every=0.01)
         squatter.listen()
         try:
             code = up.popen.wait(timeout=240)
