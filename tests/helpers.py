@@ -121,20 +121,20 @@ class Client:
         """Generate; on a broken stream re-attach from the next index (Generate again if
         the request never reached the queue) until the final chunk arrives."""
         deadline = time.monotonic() + give_up_s
-        exists = False
+        submit = True  # until a try may have reached the queue, and again after NOT_FOUND
         with grpc.insecure_channel(address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             while time.monotonic() < deadline:
-                if exists or self.reattached:
+                if not submit:
                     req = generation_pb2.GenerateRequest(
                         request_id=self.rid, resume_from=self.next_index()
                     )
                 else:
                     req = request(prompt_ids=self.prompt_ids, max_tokens=self.max_tokens)
                     req.request_id = self.rid
+                submit = False
                 try:
                     for chunk in stub.Generate(req, timeout=120):
-                        exists = True
                         if chunk.token_ids:
                             self.arrivals.append(
                                 (time.monotonic(), chunk.first_index, list(chunk.token_ids))
@@ -144,7 +144,7 @@ class Client:
                             return
                 except grpc.RpcError as e:
                     if e.code() == grpc.StatusCode.NOT_FOUND:
-                        exists = False  # never accepted: submit it (again)
+                        submit = True  # never accepted: submit it (again)
                     elif e.code() != grpc.StatusCode.UNAVAILABLE:
                         self.error = f"{e.code().name}: {e.details()}"
                         return
