@@ -116,9 +116,10 @@ def cluster_config(model_dir: Path | None, **sections) -> dict:
             "batch_size": 4,
             "max_seq_len": 2048,
             "torch_threads": 1,
+            "compile": False,  # compiling costs a minute a start; test_compile.py compiles
         },
         # Random tiny models are never confident: let their trees grow anyway.
-        "drafter": {"device": DEVICE}
+        "drafter": {"device": DEVICE, "compile": False}
         | ({"draft_model_path": str(model_dir), "min_path_prob": 0} if model_dir else {}),
     }
     # Plaintext and one anonymous tenant: TLS and API keys are tested in test_security.py.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specserve.common.capacity import kv_need
-from specserve.common.flat_model import SequenceKV
+from specserve.common.kv_cache import KVPool, SequenceKV
 from specserve.scheduler.placement import (
     VerifierLoad,
     Want,
@@ -21,7 +21,8 @@ from specserve.verifier.admission import Admission, CachedPrefix, Refused
 
 
 def prefix(tokens: int) -> CachedPrefix:
-    kv = SequenceKV(1, 1, 2, torch.float32, "cpu", capacity=tokens)
+    kv = SequenceKV(KVPool(1, 1, 2, torch.float32, "cpu", block_size=1))
+    kv.reserve(tokens)
     kv.length = tokens
     return CachedPrefix(list(range(tokens)), kv)
 

@@ -43,10 +43,10 @@ def test_every_tree_node_matches_a_plain_pass_over_its_path(tiny_model, nodes, s
 
 
 def test_keeping_an_accepted_path_leaves_the_cache_of_that_path(tiny_model):
-    flat = FlatModel(tiny_model)
+    flat = FlatModel(tiny_model, kv_tokens=16, block_size=4)  # small: the pool has to grow
     prompt = list(range(100, 130))
     seq = make_sequence(prompt)
-    seq.kv = flat.new_kv(4)  # small, so the buffer has to grow
+    seq.kv = flat.new_kv()
     tree = DraftTree()
     a = tree.add(7, -1)
     tree.add(8, -1)

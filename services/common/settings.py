@@ -246,6 +246,11 @@ class VerifierSettings(ServiceSettings):
     )
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    compile: bool = Field(
+        default=True,
+        description="torch.compile the forward (inductor; at start, counted as "
+        "compiled graphs); false runs it eagerly.",
+    )
     batch_size: int = Field(default=8, ge=1, description="Most sequences in the running batch.")
     interactive_reserved_slots: int = Field(
         default=1, ge=0, description="Batch slots that batch-class work may not take."
@@ -337,6 +342,11 @@ class DrafterSettings(ServiceSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
         default="float32", description="int8: quantised linear layers, CPU only, fastest there."
+    )
+    compile: bool = Field(
+        default=True,
+        description="torch.compile the forward (inductor; at start, counted as "
+        "compiled graphs); false runs it eagerly.",
     )
     torch_threads: int = Field(default=0, ge=0)
     max_depth: int = Field(

@@ -17,3 +17,7 @@ TREE_NODES = Histogram(
 RESYNCS = Counter(
     "specserve_drafter_resyncs_total", "Sequences whose history had to be resent in full."
 )
+COMPILED_GRAPHS = Counter(
+    "specserve_drafter_compiled_graphs_total",
+    "Graphs torch.compile built for the draft model's forward (first compiles and recompiles).",
+)

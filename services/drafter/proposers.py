@@ -28,6 +28,7 @@ from ..common import models
 from ..common.flat_model import FlatModel, Segment, SequenceKV
 from ..common.settings import DrafterSettings, ModelRef
 from ..common.tree import DraftTree
+from .metrics import COMPILED_GRAPHS
 
 
 @dataclass
@@ -165,7 +166,12 @@ class DraftModelProposer(Proposer):
         if settings.draft_model_path:
             ref = ModelRef(path=settings.draft_model_path)
         path, _ = models.resolve(ref, settings.model_cache_dir)
-        model = FlatModel(models.load_model(path, settings.device, settings.dtype))
+        model, _ = FlatModel.prepare(
+            models.load_model(path, settings.device, settings.dtype),
+            compile=settings.compile,
+            key="drafter.compile",
+            on_graph=lambda _: COMPILED_GRAPHS.inc(),
+        )
         return cls(model, shape_of(settings), settings.sample_support)
 
     def forget(self, seq_id: str) -> None:
@@ -215,21 +221,21 @@ class DraftModelProposer(Proposer):
         committed = len(self.states[g.job.seq_id].tokens)
         fed = kv.length - committed
         n = len(g.frontier)
-        visible = torch.zeros(n, kv.length + n, dtype=torch.bool)
-        visible[:, :committed] = True
+        mask = torch.zeros(n, fed + n, dtype=torch.bool)  # over the entries after the prefix
         depths = g.tree.depths()
         for row, node in enumerate(g.frontier):
-            visible[row, kv.length + row] = True
+            mask[row, fed + row] = True
             parent = g.tree.parents[node]
             while parent >= 0:
-                visible[row, committed + g.slot[parent]] = True
+                mask[row, g.slot[parent]] = True
                 parent = g.tree.parents[parent]
             g.slot[node] = fed + row
         return Segment(
             kv,
             [g.tree.token_ids[node] for node in g.frontier],
             positions=[committed + depths[node] for node in g.frontier],
-            visible=visible,
+            mask=mask,
+            mask_from=committed,
             logits_from=0,
         )
 

@@ -6,6 +6,14 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10)
 
+COMPILED_GRAPHS = Counter(
+    "specserve_verifier_compiled_graphs_total",
+    "Graphs torch.compile built for the forward (the first compiles and every recompile).",
+)
+WARM_UP_SECONDS = Gauge(
+    "specserve_verifier_warm_up_seconds",
+    "Seconds the forward's warm-up took at start (compiling, when verifier.compile is on).",
+)
 STEPS = Counter("specserve_verifier_steps_total", "Decode steps (one forward pass each).")
 VERIFY_SECONDS = Histogram(
     "specserve_verifier_verify_seconds", "Target forward pass of one step.", buckets=_STEP_BUCKETS
@@ -22,7 +30,15 @@ ACCEPTED_LENGTH = Histogram(
 )
 DRAFTED_TOKENS = Counter("specserve_verifier_drafted_tokens_total", "Draft nodes verified.")
 ACCEPTED_TOKENS = Counter("specserve_verifier_accepted_tokens_total", "Draft tokens accepted.")
-FALLBACK_STEPS = Counter(
+FALLBACK_COMPILED_GRAPHS = Counter(
+    "specserve_verifier_compiled_graphs_total",
+    "Graphs torch.compile built for the forward (the first compiles and every recompile).",
+)
+WARM_UP_SECONDS = Gauge(
+    "specserve_verifier_warm_up_seconds",
+    "Seconds the forward's warm-up took at start (compiling, when verifier.compile is on).",
+)
+STEPS = Counter(
     "specserve_verifier_fallback_steps_total",
     "Sequence steps drafted by the fallback because the drafter failed or was late.",
 )
@@ -82,7 +98,15 @@ FAILED_SEQUENCES = Counter(
     "specserve_verifier_failed_sequences_total",
     "Sequences ended with FINISH_REASON_ERROR by a failure in their step.",
 )
-FAILED_STEPS = Counter(
+FAILED_COMPILED_GRAPHS = Counter(
+    "specserve_verifier_compiled_graphs_total",
+    "Graphs torch.compile built for the forward (the first compiles and every recompile).",
+)
+WARM_UP_SECONDS = Gauge(
+    "specserve_verifier_warm_up_seconds",
+    "Seconds the forward's warm-up took at start (compiling, when verifier.compile is on).",
+)
+STEPS = Counter(
     "specserve_verifier_failed_steps_total",
     "Steps that failed for every sequence in them (health turns NOT_SERVING after a few).",
 )

@@ -34,7 +34,8 @@ class ModelRunner:
         prefilling = [seq for seq in seqs if seq.prefilling]
         for seq, tree, take in zip(seqs, trees, takes or [None] * len(seqs), strict=True):
             if seq.kv is None:
-                seq.kv = self.model.new_kv(len(seq.all_ids) + 64, seq.kv_limit)
+                seq.kv = self.model.new_kv()
+                seq.kv.limit = seq.kv_limit
             segments.append(tree_segment(seq, tree, take))
         logits = [rows.cpu() for rows in self.model.forward(segments)]  # acceptance runs here
         elapsed_ms = (time.perf_counter() - started) * 1000
@@ -80,6 +81,7 @@ class ModelRunner:
 
     @staticmethod
     def release(seq: Sequence) -> None:
+        """The sequence no longer uses its KV (a cached prefix may still hold it)."""
         seq.kv = None
 
 
@@ -116,9 +118,8 @@ def tree_segment(seq: Sequence, tree: DraftTree, take: int | None = None) -> Seg
     past, p, n = seq.num_computed, len(pending), len(tree)
     if n == 0:
         return Segment(seq.kv, pending)
-    visible = torch.ones(p + n, past + p + n, dtype=torch.bool)
-    visible[:p, past:] = torch.ones(p, p + n, dtype=torch.bool).tril()
-    visible[p:, past + p :] = tree.ancestor_mask()
+    mask = torch.ones(p + n, p + n, dtype=torch.bool).tril()
+    mask[p:, p:] = tree.ancestor_mask()
     base = past + p
     positions = list(range(past, base)) + [base + d for d in tree.depths()]
-    return Segment(seq.kv, pending + tree.token_ids, positions, visible, logits_from=p - 1)
+    return Segment(seq.kv, pending + tree.token_ids, positions, mask, logits_from=p - 1)

@@ -270,9 +270,18 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         model.config.vocab_size,
         discover=lambda: registered_drafters(store, settings.pool),
     )
-    flat = FlatModel(model)
+    flat, warm_up_s = FlatModel.prepare(
+        model,
+        compile=settings.compile,
+        key="verifier.compile",
+        on_graph=lambda _: metrics.COMPILED_GRAPHS.inc(),
+    )
+    metrics.WARM_UP_SECONDS.set(warm_up_s)
     budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)
     metrics.KV_BUDGET.set(budget)
+    # Room for the budget, plus per sequence a partly filled block and its draft tree's nodes.
+    per_sequence = flat.pool.block_size + settings.verification_tree_size + 1
+    flat.pool.grow_to(budget + settings.batch_size * per_sequence)
     served = Served.of(settings, models.fingerprint(path, manifest))
     metrics.MODEL.labels(served.model, served.sha256, served.version, served.pool).set(1)
     engine = Engine(

@@ -1,0 +1,137 @@
+"""The layout of one forward pass: every new token of every sequence in one flat batch.
+
+A step's new tokens (prompt chunks, decode tokens, draft-tree nodes) are T rows; the linear
+layers see them as one [T, hidden] matrix. Attention sees them as B sequences padded to the
+longest new-token count (Nmax) against their KV padded to the longest context (Lmax), with one
+boolean mask for the whole batch. The mask is built on the device from a few numbers per
+sequence (where its new tokens start, how many there are): causal by default; only a draft
+tree's small [new, new] ancestry block is sent from the host.
+
+Everything here is computed once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import SequenceKV
+
+
+@dataclass
+class Segment:
+    """New tokens of one sequence for one forward pass.
+
+    The tokens are written to kv at positions kv.length.., and kv.length grows by their count.
+    Every new token sees the sequence's entries before `mask_from`; from there on, `mask`
+    says which of the entries (cached ones, then the new tokens) each new token sees.
+    """
+
+    kv: SequenceKV
+    token_ids: list[int]  # [n]
+    positions: list[int] | None = None  # [n] rotary positions; None: kv.length + 0..n-1
+    mask: torch.Tensor | None = None  # [n, kv.length + n - mask_from] bool; None: causal
+    mask_from: int | None = None  # None: kv.length (the new tokens see every cached entry)
+    logits_from: int = -1  # rows >= this get logits (-1: only the last row)
+
+
+@dataclass
+class Batch:
+    """Index tensors of one step, on the model's device."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    write_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
+    kv_slots: torch.Tensor | None  # [B, Lmax] pool slot of each sequence's entries (0: padding)
+    kv_range: tuple[int, int] | None  # (first slot, Lmax) when B == 1 and its slots are contiguous
+    query_index: torch.Tensor | None  # [B * Nmax] row of each padded query (None: B == 1)
+    output_index: torch.Tensor | None  # [T] padded row of each new token (None: B == 1)
+    mask: torch.Tensor | None  # [B, 1, Nmax, Lmax] bool; None: every token sees every entry
+    logit_rows: torch.Tensor  # [R] rows that get logits
+    logit_counts: list[int]  # [B] how many of them each sequence has
+    shape: tuple[int, int, int]  # (B, Nmax, Lmax)
+
+    @classmethod
+    def build(cls, segments: list[Segment], device: torch.device) -> Batch:
+        """Reserves KV room for the new tokens and lays the step out. kv.length is left as it
+        was: the caller advances it once the pass is done (`advance`)."""
+        ids, positions, writes, reads, rows, counts = [], [], [], [], [], []
+        news, pasts = [], []
+        start = 0
+        for seg in segments:
+            n, past = len(seg.token_ids), seg.kv.length
+            if n == 0:
+                raise ValueError("a segment has no tokens")
+            seg.kv.reserve(past + n)
+            ids.extend(seg.token_ids)
+            positions.extend(seg.positions or range(past, past + n))
+            writes.append(seg.kv.slots(past, past + n))
+            reads.append(seg.kv.slots(0, past + n))
+            first = n - 1 if seg.logits_from < 0 else seg.logits_from
+            rows.append(torch.arange(start + first, start + n))
+            counts.append(n - first)
+            news.append(n)
+            pasts.append(past)
+            start += n
+        b, n_max, l_max = len(segments), max(news), max(len(r) for r in reads)
+        kv_slots, kv_range, query_index, output_index = None, None, None, None
+        if b == 1 and bool((reads[0][1:] - reads[0][:-1] == 1).all()):
+            kv_range = (int(reads[0][0]), l_max)
+        else:
+            kv_slots = torch.zeros(b, l_max, dtype=torch.long)
+            for i, slots in enumerate(reads):
+                kv_slots[i, : len(slots)] = slots
+            kv_slots = kv_slots.to(device)
+        if b > 1:
+            query_index = torch.zeros(b, n_max, dtype=torch.long)
+            output_index = torch.cat([i * n_max + torch.arange(n) for i, n in enumerate(news)])
+            offset = 0
+            for i, n in enumerate(news):
+                query_index[i, :n] = torch.arange(offset, offset + n)
+                offset += n
+            query_index = query_index.flatten().to(device)
+            output_index = output_index.to(device)
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            write_slots=torch.cat(writes).to(device),
+            kv_slots=kv_slots,
+            kv_range=kv_range,
+            query_index=query_index,
+            output_index=output_index,
+            mask=build_mask(segments, pasts, news, n_max, l_max, device),
+            logit_rows=torch.cat(rows).to(device),
+            logit_counts=counts,
+            shape=(b, n_max, l_max),
+        )
+
+    @staticmethod
+    def advance(segments: list[Segment]) -> None:
+        """The pass is done: each sequence's KV holds its new tokens."""
+        for seg in segments:
+            seg.kv.length += len(seg.token_ids)
+
+
+def build_mask(
+    segments: list[Segment], pasts: list[int], news: list[int], n_max: int, l_max: int, device
+) -> torch.Tensor | None:
+    """[B, 1, Nmax, Lmax] bool: entry j is visible to new token i of sequence b. Causal from
+    the sequence's past length, built by comparing index ranges on the device; a segment's own
+    mask replaces its part from mask_from on. Padded query rows see entry 0 only (a row that
+    sees nothing would be NaN); they are dropped after attention. None when every token sees
+    every entry (one sequence decoding one token)."""
+    explicit = [i for i, seg in enumerate(segments) if seg.mask is not None]
+    if len(segments) == 1 and n_max == 1 and not explicit:
+        return None
+    past = torch.tensor(pasts, device=device)[:, None, None]  # [B, 1, 1]
+    new = torch.tensor(news, device=device)[:, None, None]
+    row = torch.arange(n_max, device=device)[None, :, None]  # [1, Nmax, 1]
+    col = torch.arange(l_max, device=device)[None, None, :]  # [1, 1, Lmax]
+    mask = (col <= past + row) & (row < new)  # [B, Nmax, Lmax]
+    mask[:, :, 0] |= (row < new).logical_not()[:, :, 0]
+    for i in explicit:
+        seg = segments[i]
+        start = pasts[i] if seg.mask_from is None else seg.mask_from
+        mask[i, : news[i], start : pasts[i] + news[i]] = seg.mask.to(device)
+    return mask[:, None]
