@@ -1,0 +1,71 @@
+"""The compiled forward: the same tokens as eager and as HF generate, bounded recompiles,
+and a compile failure that names its config key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import make_sequence
+from specserve.common.compiler import Compiler
+from specserve.common.flat_model import FlatModel, Segment
+from specserve.common.settings import ConfigError
+from specserve.common.tree import DraftTree
+from specserve.verifier.reference import hf_greedy
+from specserve.verifier.runner import tree_segment
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model):
+    model, _ = FlatModel.prepare(tiny_model, compile=True, key="verifier.compile")
+    return model
+
+
+def greedy(flat: FlatModel, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Greedy decoding of several prompts in one batch, one token per step."""
+    kvs = [flat.new_kv() for _ in prompts]
+    rows = flat.forward([Segment(kv, p) for kv, p in zip(kvs, prompts, strict=True)])
+    out = [[int(r[-1].argmax())] for r in rows]
+    for _ in range(tokens - 1):
+        rows = flat.forward([Segment(kv, o[-1:]) for kv, o in zip(kvs, out, strict=True)])
+        for o, r in zip(out, rows, strict=True):
+            o.append(int(r[-1].argmax()))
+    return out
+
+
+def test_compiled_greedy_equals_hf_generate_in_a_batch(tiny_model, compiled):
+    prompts = [list(range(10, 10 + n)) for n in (5, 23, 11)]
+    for prompt, out in zip(prompts, greedy(compiled, prompts, 12), strict=True):
+        assert out == hf_greedy(tiny_model, prompt, 12)
+
+
+def test_compiled_tree_rows_equal_eager(tiny_model, compiled):
+    eager = FlatModel(tiny_model)
+    tree = DraftTree()
+    a = tree.add(7, -1)
+    tree.add(8, -1)
+    tree.add(9, a)
+    results = []
+    for flat in (eager, compiled):
+        seq = make_sequence(list(range(40, 70)))
+        seq.kv = flat.new_kv()
+        (rows,) = flat.forward([tree_segment(seq, tree)])
+        results.append(rows)
+    torch.testing.assert_close(results[0], results[1], atol=1e-4, rtol=1e-4)
+
+
+def test_recompiles_are_bounded_as_batches_change(compiled):
+    greedy(compiled, [[1, 2, 3]], 2)
+    before = compiled.graphs
+    for n in (1, 2, 7, 33, 130):  # token counts the warm-up never saw
+        greedy(compiled, [list(range(5, 5 + n)), [4] * (n + 3)], 3)
+    assert compiled.graphs == before
+
+
+def test_a_compile_failure_stops_the_start_naming_the_key(tiny_model, monkeypatch):
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(Compiler, "_backend", broken)
+    with pytest.raises(ConfigError, match=r"verifier\.compile: torch\.compile failed .*C\+\+"):
+        FlatModel.prepare(tiny_model, compile=True, key="verifier.compile")
