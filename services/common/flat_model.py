@@ -120,8 +120,11 @@ class FlatModel:
         except Exception as e:
             if self.compiler is None:
                 raise
-            first = (str(e).strip().splitlines() or [""])[0]
-            raise CompileFailed(f"{type(e).__name__}: {first}"[:500]) from e
+            cause = e  # dynamo wraps what the compiler raised
+            while (inner := getattr(cause, "inner_exception", cause.__cause__)) is not None:
+                cause = inner
+            first = (str(cause).strip().splitlines() or [""])[0]
+            raise CompileFailed(f"{type(cause).__name__}: {first}"[:500]) from e
         finally:
             kv.free()
         return time.perf_counter() - started
