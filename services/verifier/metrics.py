@@ -30,15 +30,7 @@ ACCEPTED_LENGTH = Histogram(
 )
 DRAFTED_TOKENS = Counter("specserve_verifier_drafted_tokens_total", "Draft nodes verified.")
 ACCEPTED_TOKENS = Counter("specserve_verifier_accepted_tokens_total", "Draft tokens accepted.")
-FALLBACK_COMPILED_GRAPHS = Counter(
-    "specserve_verifier_compiled_graphs_total",
-    "Graphs torch.compile built for the forward (the first compiles and every recompile).",
-)
-WARM_UP_SECONDS = Gauge(
-    "specserve_verifier_warm_up_seconds",
-    "Seconds the forward's warm-up took at start (compiling, when verifier.compile is on).",
-)
-STEPS = Counter(
+FALLBACK_STEPS = Counter(
     "specserve_verifier_fallback_steps_total",
     "Sequence steps drafted by the fallback because the drafter failed or was late.",
 )
@@ -98,15 +90,7 @@ FAILED_SEQUENCES = Counter(
     "specserve_verifier_failed_sequences_total",
     "Sequences ended with FINISH_REASON_ERROR by a failure in their step.",
 )
-FAILED_COMPILED_GRAPHS = Counter(
-    "specserve_verifier_compiled_graphs_total",
-    "Graphs torch.compile built for the forward (the first compiles and every recompile).",
-)
-WARM_UP_SECONDS = Gauge(
-    "specserve_verifier_warm_up_seconds",
-    "Seconds the forward's warm-up took at start (compiling, when verifier.compile is on).",
-)
-STEPS = Counter(
+FAILED_STEPS = Counter(
     "specserve_verifier_failed_steps_total",
     "Steps that failed for every sequence in them (health turns NOT_SERVING after a few).",
 )
