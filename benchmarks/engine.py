@@ -124,7 +124,7 @@ def part_decode(flat: FlatModel, prompt: list[int], bandwidth: float, args) -> d
 def part_tiny(bandwidth: float, args) -> dict:
     path, _ = models.resolve(TINY, ServiceSettings.load(None).model_cache_dir)
     hf = models.load_model(path, "cpu", args.dtype)
-    flat = FlatModel(hf)
+    flat = engine_model(hf, args)
     step = decode_reps(flat, chat_prompt(path), args.steps, args.reps)
     read_s = weight_bytes(hf) / bandwidth
     mid = statistics.median(step)
@@ -252,6 +252,15 @@ def git_commit() -> str:
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def engine_model(hf, args) -> FlatModel:
+    """The forward under test, compiled (and warmed up) with --compile."""
+    if not args.compile:
+        return FlatModel(hf)
+    flat, seconds = FlatModel.prepare(hf, compile=True, key="--compile")
+    print(f"compiled and warmed up in {seconds:.1f} s ({flat.graphs} graphs)", flush=True)
+    return flat
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     device = measure_this_machine(dtype=args.dtype)
@@ -261,7 +270,7 @@ def run(args) -> dict:
         results["tiny"] = part_tiny(bandwidth, args)
     if {"decode", "tree", "ttft", "batch"} & set(args.parts):
         path, _ = models.resolve(ModelRef(), ServiceSettings.load(None).model_cache_dir)
-        flat = FlatModel(models.load_model(path, "cpu", args.dtype))
+        flat = engine_model(models.load_model(path, "cpu", args.dtype), args)
         runner, prompt = ModelRunner(flat), chat_prompt(path)
         if "decode" in args.parts:
             results["decode"] = part_decode(flat, prompt, bandwidth, args)
@@ -308,6 +317,7 @@ def main() -> None:
     p.add_argument("--label", required=True, help="key of this run in the results file")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2, help="torch threads (bandwidth too)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the forward")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {PARTS}")
     p.add_argument("--reps", type=int, default=5, help="repetitions per figure")
     p.add_argument("--steps", type=int, default=64, help="decode steps per repetition")
@@ -330,6 +340,7 @@ def main() -> None:
         "git_commit": git_commit(),
         "dtype": args.dtype,
         "threads": args.threads,
+        "compile": args.compile,
         "torch": torch.__version__,
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
