@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specserve.common.tree import DraftTree
-from specserve.drafter.proposers import _gumbel_top_k
+from specserve.drafter.draft_model import _gumbel_top_k
 from specserve.verifier.acceptance import Verdict, accept
 from specserve.verifier.sampling import SamplingParams, target_probs
 

@@ -15,7 +15,7 @@ from specserve.common.outage import OutageLog
 from specserve.common.store import RequestStore
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2_grpc
-from specserve.verifier.speculator import DrafterPool
+from specserve.verifier.drafter_pool import DrafterPool
 
 A, B = "10.0.0.1:50054", "10.0.0.2:50054"
 
@@ -100,7 +100,7 @@ def test_discovery_during_a_redis_outage_keeps_the_drafters_and_logs_twice(clock
     registry = Registry({A: "100", B: "100"})
     pool = pool_of(registry, clock, static=())
     registry.down = True
-    with caplog.at_level(logging.INFO, logger="specserve.verifier.speculator"):
+    with caplog.at_level(logging.INFO, logger="specserve.verifier.drafter_pool"):
         for _ in range(5):
             tick(pool, clock)
         assert set(pool.clients) == {A, B}

@@ -20,7 +20,8 @@ from helpers import make_sequence, wait_until
 from specserve.common import models
 from specserve.common.flat_model import FlatModel
 from specserve.common.store import RequestStore
-from specserve.drafter.proposers import DraftJob, DraftModelProposer, TreeShape
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.drafter.proposer import DraftJob, TreeShape
 from specserve.verifier import engine as engine_module
 from specserve.verifier.admission import Admission
 from specserve.verifier.engine import Engine

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from specserve.common.flat_model import FlatModel
 from specserve.common.tree import DraftTree
-from specserve.drafter.proposers import DraftJob, DraftModelProposer, TreeShape
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.drafter.proposer import DraftJob, TreeShape
 from specserve.verifier.acceptance import accept
 from specserve.verifier.sampling import SamplingParams, target_probs
 

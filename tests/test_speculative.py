@@ -8,13 +8,10 @@ import torch
 
 from helpers import make_sequence
 from specserve.common.flat_model import FlatModel
-from specserve.drafter.proposers import (
-    DraftJob,
-    DraftModelProposer,
-    HybridProposer,
-    NgramProposer,
-    TreeShape,
-)
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.drafter.hybrid import HybridProposer
+from specserve.drafter.ngram import NgramProposer
+from specserve.drafter.proposer import DraftJob, TreeShape
 from specserve.verifier.acceptance import accept
 from specserve.verifier.reference import hf_greedy
 from specserve.verifier.runner import ModelRunner

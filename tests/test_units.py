@@ -61,7 +61,7 @@ def test_settings_yaml_env_and_errors(tmp_path, monkeypatch):
 
 
 def test_circuit_breaker_opens_after_failures_and_retries_after_cooldown():
-    from specserve.verifier.speculator import CircuitBreaker
+    from specserve.verifier.breaker import CircuitBreaker
 
     now = [100.0]
     breaker = CircuitBreaker(failures=2, cooldown=5.0, clock=lambda: now[0])

@@ -14,7 +14,8 @@ from ..common.store import RequestStore, heartbeat_forever, now_ms
 from ..common.tree import to_proto
 from ..v1 import drafter_pb2, drafter_pb2_grpc
 from . import metrics
-from .proposers import PROPOSERS, DraftJob, Proposer
+from .proposer import DraftJob, Proposer
+from .proposers import PROPOSERS
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,12 @@ from ..v1 import verifier_pb2 as pb
 from ..v1 import verifier_pb2_grpc as pb_grpc
 from . import metrics
 from .admission import Admission, Refused, kv_budget
+from .drafter_pool import registered_drafters
 from .engine import Engine
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
-from .speculator import Speculator, registered_drafters
+from .speculator import Speculator
 
 log = logging.getLogger(__name__)
 

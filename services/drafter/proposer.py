@@ -1,0 +1,52 @@
+"""The proposer interface: given sequences' token histories, guess token trees for the
+verifier to check. What crosses it: a `DraftJob` per sequence in, a `DraftTree` per job out;
+a `TreeShape` bounds the trees."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..common.settings import DrafterSettings
+from ..common.tree import DraftTree
+
+
+@dataclass
+class DraftJob:
+    """One sequence asking for a tree this step."""
+
+    seq_id: str
+    tokens: list[int]  # the whole accepted history: prompt + generated
+    budget: int  # most nodes
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0  # for the random draws of sampling requests
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    max_depth: int = 6  # tree levels
+    branching: int = 2  # children per expanded node
+    width: int = 4  # nodes expanded per level
+    min_path_prob: float = 0.0  # greedy only: a less likely path is not expanded
+
+
+def shape_of(settings: DrafterSettings) -> TreeShape:
+    return TreeShape(settings.max_depth, settings.branching, settings.width, settings.min_path_prob)
+
+
+class Proposer(ABC):
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def from_settings(cls, settings: DrafterSettings) -> Proposer:
+        """Builds the proposer (loading its model, if any) from the drafter's settings."""
+
+    @abstractmethod
+    def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        """One tree per job, at most job.budget nodes each (maybe empty)."""
+
+    @abstractmethod
+    def forget(self, seq_id: str) -> None:
+        """Frees whatever the proposer keeps for a sequence."""
