@@ -78,6 +78,40 @@ def test_circuit_breaker_opens_after_failures_and_retries_after_cooldown():
     assert breaker.allow() and breaker.failures == 0
 
 
+def test_drafter_sync_sends_what_changed_and_tells_a_drafter_what_left_it():
+    from helpers import make_sequence
+    from specserve.verifier.drafter_client import DrafterClient
+    from specserve.verifier.drafter_sync import DrafterSync
+
+    a, b = DrafterClient("a:1"), DrafterClient("b:1")
+    sync, seq = DrafterSync(), make_sequence([1, 2, 3], rid="s")
+
+    def sent(client: DrafterClient, seqs=(seq,)) -> list[tuple]:
+        sync.next_step()
+        request = sync.request(client, list(seqs), [4] * len(seqs), drafters={"a:1", "b:1"})
+        assert request.step == sync.step
+        return [
+            (d.sequence_id, list(d.new_token_ids), d.accepted_len, d.finished)
+            for d in request.sequences
+        ]
+
+    assert sent(a) == [("s", [1, 2, 3], 0, False)]
+    seq.output_ids += [4, 5]
+    assert sent(a) == [("s", [4, 5], 3, False)]  # only the new tokens
+    assert sync.largest_delta == 2
+    a.epoch += 1  # a new stream: the drafter behind it holds nothing
+    assert sent(a) == [("s", [1, 2, 3, 4, 5], 0, False)]
+    sync.resynced(["s"])  # the drafter lost it
+    assert sent(a) == [("s", [1, 2, 3, 4, 5], 0, False)]
+    assert sent(b) == [("s", [1, 2, 3, 4, 5], 0, False)]  # moved: b gets it all
+    assert sync.drafters_to_tell() == ["a:1"]
+    assert sent(a, seqs=()) == [("s", [], 0, True)]  # a forgets it
+    sync.forget("s")
+    assert sync.has_finished and sync.drafters_to_tell() == ["b:1"]
+    assert sent(b, seqs=()) == [("s", [], 0, True)]
+    assert not sync.has_finished
+
+
 def test_fallback_drafts_locally_when_no_drafter_answers():
     from types import SimpleNamespace
 
