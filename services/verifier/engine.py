@@ -21,19 +21,18 @@ from collections.abc import Callable
 
 import redis
 import torch
-from opentelemetry import trace
 
-from ..common import telemetry
 from ..common.outage import REDIS_UNREACHABLE, OutageLog
 from ..common.store import RequestStore, StepState
 from ..common.tree import DraftTree
-from . import metrics
+from . import metrics, stages
 from .acceptance import accept
 from .admission import Admission, CachedPrefix, Grant
 from .runner import ModelRunner, describe
 from .sampling import make_generator
 from .sequence import Committed, Sequence
 from .speculator import Speculator
+from .step_plan import StepPlan, plan_step
 
 log = logging.getLogger(__name__)
 
@@ -203,67 +202,60 @@ class Engine:
 
     def step(self) -> bool:
         """Plan, draft, verify, accept, emit: one forward pass for every running sequence.
-        The step's span goes in the trace of its first traced sequence, linked to the others'.
         False when the step failed for every sequence in it."""
         plan = self._plan()
         ok = True
-        if plan:
-            traced = [s.trace_ctx for s, _ in plan if s.trace_ctx is not None]
-            links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in traced[1:]]
-            with telemetry.tracer.start_as_current_span(
-                "verifier.step", context=traced[0] if traced else None, links=links
-            ) as span:
-                ok = self._forward(plan, span)
+        if plan.parts:
+            with stages.step_span(plan) as span:
+                trees = self._draft(plan, span)
+                logits = self._verify(plan, trees)
+                ok = self._accept(plan, trees, logits, span)
         self.steps += 1
         metrics.STEPS.inc()
         self._emit(list(self.running.values()))
         return ok
 
-    def _forward(self, plan: list[tuple[Sequence, int]], span: trace.Span) -> bool:
-        """Draft, verify and accept for the planned sequences. A failure is the failing
-        sequence's alone: it ends with FINISH_REASON_ERROR, its KV back at its last committed
-        length, while the rest of the batch goes on as if it had never been there."""
-        seqs, takes = [s for s, _ in plan], [t for _, t in plan]
-        complete = [take == seq.num_pending for seq, take in plan]
-        before = [Committed.of(seq) for seq in seqs]  # (before the forward pass moves on)
-        prefilling = [seq.prefilling for seq in seqs]
-        metrics.BATCH_SIZE.observe(len(seqs))
-        prefill = sum(t for (s, t) in plan if s.prefilling)
-        first_token = any(
-            s.prefilling and done and s.queue == "interactive"
-            for (s, _), done in zip(plan, complete, strict=True)
-        )
-        trees = self._propose(seqs, prefill, first_token)
-        span.set_attributes(
-            {"batch_size": len(seqs), "prefill_tokens": prefill, "tree_nodes": sum(map(len, trees))}
-        )
-        started = time.perf_counter()
-        with telemetry.tracer.start_as_current_span("verifier.verify"):
-            logits = self.runner.verify_each(seqs, trees, takes)
-        elapsed = time.perf_counter() - started
-        metrics.VERIFY_SECONDS.observe(elapsed)
-        self.speculator.observe_step(sum(takes) + sum(map(len, trees)), elapsed, prefill)
-        accepted = 0
-        for seq, tree, rows, done, was, prefilled in zip(
-            seqs, trees, logits, complete, before, prefilling, strict=True
-        ):
-            if isinstance(rows, Exception):
-                self._fail(seq, was, describe(rows))
-            elif done:  # (a prefill chunk yields no token until the prompt is all in)
-                if prefilled:
-                    self._prefill_span(seq)
-                accepted += self._settle(seq, tree, rows, was)
-        span.set_attribute("accepted_tokens", accepted)
-        return not all(s.finish_reason == "FINISH_REASON_ERROR" for s in seqs)
+    def _plan(self) -> StepPlan:
+        """The step's sequences and what each feeds (step_plan.py). A deadline that passed
+        ends its sequence at the end of the step (`_emit`)."""
+        with self._lock:
+            for seq in self.running.values():
+                seq.cancelled |= seq.request_id in self._cancel
+        return plan_step(self.running.values(), self.max_prefill_tokens)
 
-    def _propose(self, seqs: list[Sequence], prefill: int, first_token: bool) -> list[DraftTree]:
+    def _draft(self, plan: StepPlan, span) -> list[DraftTree]:
         """The step's draft trees; none (plain decoding) if drafting itself breaks."""
-        with telemetry.tracer.start_as_current_span("verifier.draft"), metrics.DRAFT_SECONDS.time():
+        with stages.stage("draft", metrics.DRAFT_SECONDS):
             try:
-                return self.speculator.propose(seqs, prefill, first_token)
+                trees = self.speculator.propose(plan.seqs, plan.prefill_tokens, plan.first_token)
             except Exception:  # drafting is an optimisation: the step runs plainly
                 log.exception("drafting failed; this step runs without drafts")
-                return [DraftTree() for _ in seqs]
+                trees = [DraftTree() for _ in plan.parts]
+        stages.drafted(span, trees)
+        return trees
+
+    def _verify(self, plan: StepPlan, trees: list[DraftTree]) -> list[torch.Tensor | Exception]:
+        """The target's logits per sequence, or the error that stops it (runner.py)."""
+        with stages.stage("verify", metrics.VERIFY_SECONDS) as timing:
+            logits = self.runner.verify_each(plan.seqs, trees, plan.takes)
+        tokens = sum(plan.takes) + sum(map(len, trees))
+        self.speculator.observe_step(tokens, timing.seconds, plan.prefill_tokens)
+        return logits
+
+    def _accept(self, plan: StepPlan, trees: list[DraftTree], logits: list, span) -> bool:
+        """Accepts, commits and appends each sequence's tokens. A failure is the failing
+        sequence's alone: it ends with FINISH_REASON_ERROR, its KV back at its last committed
+        length, while the rest of the batch goes on as if it had never been there."""
+        accepted = 0
+        for part, tree, rows in zip(plan.parts, trees, logits, strict=True):
+            if isinstance(rows, Exception):
+                self._fail(part.seq, part.was, describe(rows))
+            elif part.complete:  # (a prefill chunk yields no token until the prompt is all in)
+                if part.prefilling:
+                    stages.prefilled(part.seq)
+                accepted += self._settle(part.seq, tree, rows, part.was)
+        span.set_attribute("accepted_tokens", accepted)
+        return not all(s.finish_reason == "FINISH_REASON_ERROR" for s in plan.seqs)
 
     def healthy(self) -> bool:
         """False once `max_failed_steps` steps in a row failed for every sequence in them:
@@ -274,7 +266,7 @@ class Engine:
         """Accepts, commits and appends one sequence's tokens; a failure ends that sequence
         alone. Returns how many draft tokens it accepted."""
         try:
-            return self._accept(seq, tree, rows)
+            return self._commit(seq, tree, rows)
         except Exception as e:
             log.exception("step failed for one request", extra={"request_id": seq.request_id})
             self._fail(seq, was, describe(e))
@@ -289,47 +281,9 @@ class Engine:
         metrics.FAILED_SEQUENCES.inc()
         log.warning("request failed in a step", extra={"request_id": seq.request_id, "error": why})
 
-    @staticmethod
-    def _prefill_span(seq: Sequence) -> None:
-        """A span from admission to the end of the prompt's prefill, in the request's trace."""
-        if seq.trace_ctx is None:
-            return
-        span = telemetry.tracer.start_span(
-            "verifier.prefill", context=seq.trace_ctx, start_time=int(seq.admitted_ms * 1e6)
-        )
-        span.set_attribute("prompt_tokens", len(seq.prompt_ids))
-        span.set_attribute("cached_tokens", seq.cached_tokens)
-        span.set_attribute("restored_tokens", seq.restored)
-        span.end()
-
-    def _plan(self) -> list[tuple[Sequence, int]]:
-        """The sequences that take part in this step (running, not cancelled, not finished),
-        each with how many of its pending tokens it feeds: all of them when decoding; for a
-        prompt, a chunk of the step's prefill budget (interactive prompts first). A deadline
-        that passed ends its sequence at the end of the step (`_emit`)."""
-        with self._lock:
-            for seq in self.running.values():
-                seq.cancelled |= seq.request_id in self._cancel
-        active = [
-            s
-            for s in self.running.values()
-            if not s.cancelled and not s.finish_reason and s.paused_since is None
-        ]
-        budget = self.max_prefill_tokens
-        plan = []
-        for seq in sorted(active, key=lambda s: s.queue != "interactive"):
-            take = seq.num_pending
-            if seq.prefilling:
-                take = min(take, budget)
-                budget -= take
-                metrics.PREFILL_TOKENS.inc(take)
-                metrics.PREFILL_CHUNKS.inc(take > 0)
-            if take:
-                plan.append((seq, take))
-        return plan
-
-    def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> int:
-        """Accepts what the target agrees with; returns how many draft tokens it accepted."""
+    def _commit(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> int:
+        """Accepts what the target agrees with, keeps its KV, appends its tokens; returns how
+        many draft tokens it accepted."""
         verdict = accept(tree, logits, seq.params, seq.generator)
         self.runner.commit(seq, tree, verdict.accepted)
         emitted = seq.extend(verdict.tokens, self._finished)
@@ -341,10 +295,7 @@ class Engine:
             )
         seq.accepted += accepted
         seq.steps += 1
-        metrics.DRAFTED_TOKENS.inc(len(tree))
-        metrics.ACCEPTED_TOKENS.inc(accepted)
-        metrics.ACCEPTED_LENGTH.observe(emitted)
-        metrics.GENERATED_TOKENS.inc(emitted)
+        stages.accepted(seq, len(tree), accepted, emitted)
         return accepted
 
     def _finished(self, seq: Sequence) -> str | None:
