@@ -27,6 +27,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -268,18 +269,23 @@ def run(args) -> dict:
     results: dict[str, dict] = {}
     if "tiny" in args.parts:
         results["tiny"] = part_tiny(bandwidth, args)
+        progress(results, "tiny")
     if {"decode", "tree", "ttft", "batch"} & set(args.parts):
         path, _ = models.resolve(ModelRef(), ServiceSettings.load(None).model_cache_dir)
         flat = engine_model(models.load_model(path, "cpu", args.dtype), args)
         runner, prompt = ModelRunner(flat), chat_prompt(path)
         if "decode" in args.parts:
             results["decode"] = part_decode(flat, prompt, bandwidth, args)
+            progress(results, "decode")
         if "tree" in args.parts:
             results["tree"] = part_tree(runner, args)
+            progress(results, "tree")
         if "ttft" in args.parts:
             results["ttft"] = part_ttft(runner, args)
+            progress(results, "ttft")
         if "batch" in args.parts:
             results["batch"] = part_batch(flat, prompt, args)
+            progress(results, "batch")
     return {
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "matmul_gflop_s": round(device.flops / 1e9),
@@ -287,8 +293,13 @@ def run(args) -> dict:
     }
 
 
+def progress(results: dict, part: str) -> None:
+    """A part's line on stderr as soon as it is measured (a loaded machine takes long)."""
+    print(summary({part: results[part]}), file=sys.stderr, flush=True)
+
+
 def summary(results: dict) -> str:
-    lines = [f"bandwidth {results['bandwidth_gb_s']} GB/s"]
+    lines = [f"bandwidth {results['bandwidth_gb_s']} GB/s"] if "bandwidth_gb_s" in results else []
     if d := results.get("decode"):
         lines.append(
             f"decode: {d['tokens_s']['median']} tokens/s, ceiling {d['ceiling_tokens_s']}: "
