@@ -8,6 +8,7 @@ import signal
 
 import redis
 
+from conftest import DEVICE_KIND
 from helpers import generate, request, wait_until
 from specserve.common import models
 from specserve.common.rollout import CANARY, STABLE
@@ -35,8 +36,12 @@ def test_two_dtypes_are_two_versions_with_two_cache_keys(tiny_model_dir):
     assert len({s.sha256 for s in by_dtype.values()}) == 1  # the same weights
     greedy = scheduler_pb2.SubmitRequest(prompt_ids=[1, 2, 3], max_tokens=5)
     assert len({result_cache_key(greedy, v) for v in versions.values()}) == 2
-    # The device is part of it too; what only places requests is not.
-    assert served(tiny_model_dir, device="cuda").version.endswith(":float32:cuda")
+    # The kind of device is part of it too; what only places requests is not.
+    ref = ModelRef(path=str(tiny_model_dir))
+    on_gpu = models.served_version(
+        ref, by_dtype["float32"].sha256, dtype="float32", device="cuda:1"
+    )
+    assert on_gpu == versions["float32"].removesuffix(":cpu") + ":cuda"
     assert served(tiny_model_dir, port=1, batch_size=2).version == versions["float32"]
 
 
@@ -60,7 +65,7 @@ def test_a_result_replays_only_on_the_dtype_that_produced_it(tiny_cluster, gatew
     store = RequestStore.from_url(tiny_cluster.redis_url)
     first = generate(gateway, greedy)
     f32 = first.final.model_version
-    assert f32.endswith(":float32:cpu") and not first.final.cached
+    assert f32.endswith(f":float32:{DEVICE_KIND}") and not first.final.cached
     assert generate(gateway, greedy).final.cached
     submit = scheduler_pb2.SubmitRequest(prompt_ids=ids, max_tokens=8)
     assert r.exists(result_key(result_cache_key(submit, f32)))
@@ -74,7 +79,8 @@ def test_a_result_replays_only_on_the_dtype_that_produced_it(tiny_cluster, gatew
         tiny_cluster.wait_ready("verifier-bf16", 120)
         store.set_canary_share(1.0)
         bf16 = wait_for_canary_version(gateway)
-        assert bf16.endswith(":bfloat16:cpu") and bf16.rsplit(":", 2)[0] == f32.rsplit(":", 2)[0]
+        assert bf16.endswith(f":bfloat16:{DEVICE_KIND}")
+        assert bf16.rsplit(":", 2)[0] == f32.rsplit(":", 2)[0]
         on_bf16 = generate(gateway, greedy)
         assert not on_bf16.final.cached and on_bf16.final.model_version == bf16
         assert generate(gateway, greedy).final.cached  # now cached for bfloat16 too

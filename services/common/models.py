@@ -298,11 +298,12 @@ def fingerprint(path: Path, manifest: dict) -> str:
 def served_version(ref: ModelRef, sha256: str, *, dtype: str, device: str) -> str:
     """The version a stream's tokens are labelled with: name@version (or the directory's
     name), the weights' sha256 prefix, and the settings that change greedy outputs: the
-    dtype the weights run in and the device (its kernels round differently), e.g.
+    dtype the weights run in and the kind of device (its kernels round differently; cuda:0
+    and cuda:1 are both `cuda`), e.g.
     `qwen2.5-coder-1.5b-instruct@0.2.0:cc324af070c2:bfloat16:cpu`. Equal strings mean
     identical greedy outputs (in float32; see README on bfloat16)."""
     name = Path(ref.path).name if ref.path else f"{ref.name}@{ref.version}"
-    return f"{name}:{sha256[:12]}:{dtype}:{device}"
+    return f"{name}:{sha256[:12]}:{dtype}:{device.partition(':')[0]}"
 
 
 def torch_dtype(name: str):

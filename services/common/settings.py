@@ -8,13 +8,38 @@ Everything is validated at start; a bad value raises ConfigError naming the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def runnable_device(device: str) -> str:
+    """`device` if this build of torch can run models there: "cpu", or "cuda" / "cuda:N" with
+    CUDA built in and device N visible. Checked when the settings load, so a service that
+    cannot use its device stops at start with the key named, not at its first forward pass."""
+    if device == "cpu":
+        return device
+    import torch  # only where a GPU is asked for: the gateway and scheduler never load it
+
+    if not torch.cuda.is_available():
+        built = f"torch {torch.__version__}"
+        why = "built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"{device} cannot run here: {built}, {why}; use cpu")
+    count = torch.cuda.device_count()
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        raise ValueError(
+            f"{device} cannot run here: {count} CUDA device(s) visible (0..{count - 1})"
+        )
+    return device
+
+
+# Where a service runs its model: cpu, cuda (the current CUDA device) or cuda:N.
+Device = Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$"), AfterValidator(runnable_device)]
 
 
 class ConfigError(ValueError):
@@ -244,7 +269,7 @@ class VerifierSettings(ServiceSettings):
         description="Rollout pool; the canary gets the share of new requests that "
         "`specserve rollout canary` sets (none until then).",
     )
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Device = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     compile: bool = Field(
         default=True,
@@ -339,7 +364,7 @@ class DrafterSettings(ServiceSettings):
     proposer: Literal["draft_model", "ngram", "hybrid"] = "draft_model"
     draft_model: ModelRef = ModelRef(name="qwen2.5-coder-0.5b-instruct", version="0.9.0")
     draft_model_path: str | None = Field(default=None, description="Overrides draft_model.")
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Device = "cpu"
     dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
         default="float32", description="int8: quantised linear layers, CPU only, fastest there."
     )
