@@ -21,6 +21,7 @@ from specserve.v1 import generation_pb2_grpc  # noqa: E402
 TARGET = ModelRef()  # the default target model
 # Where models run in the tests: `SPECSERVE_TEST_DEVICE=cuda make test` on a machine with a GPU.
 DEVICE = os.environ.get("SPECSERVE_TEST_DEVICE", "cpu")
+DEVICE_KIND = DEVICE.partition(":")[0]  # as model versions name it: cuda:1 is cuda
 NOISE = 2.0
 
 

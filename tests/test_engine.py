@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from conftest import DEVICE
 from helpers import make_sequence, wait_until
 from specserve.common import models
 from specserve.common.flat_model import FlatModel
@@ -43,7 +44,7 @@ def store(redis_store):
 def poisoned(tiny_model_dir):
     """The tiny target with an untied LM head and one input embedding set to inf: a model that
     overflows on one input, as float16 does on some."""
-    model = models.load_model(tiny_model_dir, "cpu", "float32")
+    model = models.load_model(tiny_model_dir, DEVICE, "float32")
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
         model.model.embed_tokens.weight[POISON] = float("inf")

@@ -6,12 +6,13 @@ import random
 
 import torch
 
+from conftest import DEVICE
 from specserve.common.flat_model import FlatModel, Segment
 from specserve.common.kv_cache import KVPool, SequenceKV
 
 
 def pool(blocks: int = 4, block_size: int = 4) -> KVPool:
-    return KVPool(2, 1, 2, torch.float32, "cpu", block_size=block_size, blocks=blocks)
+    return KVPool(2, 1, 2, torch.float32, DEVICE, block_size=block_size, blocks=blocks)
 
 
 def test_blocks_are_taken_as_positions_need_them_and_given_back():

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from conftest import DEVICE
 from specserve.common.flat_model import FlatModel
 from specserve.common.tree import DraftTree
 from specserve.drafter.draft_model import DraftModelProposer
@@ -43,7 +44,8 @@ class DrawDependentProposer(DraftModelProposer):
 
 class Target:
     """Target probabilities after a token history (HF forward of the tiny target, memoised:
-    the target is deterministic, and trials revisit the same few paths)."""
+    the target is deterministic, and trials revisit the same few paths). Rows come back on the
+    CPU, where the verifier's runner hands them to acceptance."""
 
     def __init__(self, model):
         self.model = model
@@ -53,7 +55,8 @@ class Target:
         key = tuple(history)
         if key not in self.rows:
             with torch.no_grad():
-                self.rows[key] = self.model(torch.tensor([history])).logits[0, -1].float()
+                ids = torch.tensor([history], device=self.model.device)
+                self.rows[key] = self.model(ids).logits[0, -1].float().cpu()
         return self.rows[key]
 
     def probs(self, history: list[int]) -> torch.Tensor:
@@ -62,8 +65,8 @@ class Target:
 
 def tiny_qwen(noise: float = 0.0):
     """A 2-layer random Qwen2 with a 256-token vocabulary (small enough to draft and verify
-    thousands of times in seconds); with noise, each weight of that same model is perturbed
-    by noise * its tensor's std."""
+    thousands of times in seconds) on the tests' device; with noise, each weight of that same
+    model is perturbed by noise * its tensor's std (drawn on the CPU: the same on any device)."""
     config = Qwen2Config(
         vocab_size=256,
         hidden_size=64,
@@ -79,7 +82,7 @@ def tiny_qwen(noise: float = 0.0):
     with torch.no_grad():
         for param in model.parameters():
             param.add_(noise * param.std() * torch.randn_like(param))
-    return model.eval()
+    return model.to(DEVICE).eval()
 
 
 @pytest.fixture(scope="module")
