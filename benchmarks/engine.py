@@ -2,6 +2,7 @@
 
     python -m benchmarks.engine --label before [--dtype bfloat16] [--threads 2]
                                 [--parts decode,tiny,tree,ttft,batch] [--reps 5]
+                                [--device cuda] [--target DIR] [--tiny DIR]
 
 Parts (each figure the median of --reps repetitions, with min and max to show the noise):
   decode  plain greedy decode of the default target: tokens/s over --steps steps after a short
@@ -15,8 +16,10 @@ Parts (each figure the median of --reps repetitions, with min and max to show th
           max_prefill_tokens, then the first token's argmax.
   batch   default-target decode step time with batch 1, 4 and 8 (one token each).
 Bandwidth is measured on the spot as `specserve plan` does (a copy of a 1 GiB tensor, bytes
-read + written per second) with --threads threads. Results merge into --out under --label,
-so that runs of several versions of the engine stay side by side.
+read + written per second) with --threads threads, on --device. Results merge into --out under
+--label, so that runs of several versions of the engine stay side by side. --target and --tiny
+take model directories instead of the catalog's (stand-ins of the same shapes with random
+weights, where the weights cannot be fetched, time the same passes).
 """
 
 from __future__ import annotations
@@ -123,14 +126,15 @@ def part_decode(flat: FlatModel, prompt: list[int], bandwidth: float, args) -> d
 
 
 def part_tiny(bandwidth: float, args) -> dict:
-    path, _ = models.resolve(TINY, ServiceSettings.load(None).model_cache_dir)
-    hf = models.load_model(path, "cpu", args.dtype)
+    ref = ModelRef(path=args.tiny) if args.tiny else TINY
+    path, _ = models.resolve(ref, ServiceSettings.load(None).model_cache_dir)
+    hf = models.load_model(path, args.device, args.dtype)
     flat = engine_model(hf, args)
     step = decode_reps(flat, chat_prompt(path), args.steps, args.reps)
     read_s = weight_bytes(hf) / bandwidth
     mid = statistics.median(step)
     return {
-        "model": f"{TINY.name}@{TINY.version}",
+        "model": ref.label,
         "steps": args.steps,
         "step_ms": spread([s * 1000 for s in step], 2),
         "weight_bytes": weight_bytes(hf),
@@ -243,11 +247,22 @@ def part_batch(flat: FlatModel, prompt: list[int], args) -> dict:
     }
 
 
+def device_name(device: str) -> str:
+    """The name of a CUDA device after a comma (", NVIDIA H200"); "" for the CPU."""
+    if device == "cpu":
+        return ""
+    return f", {torch.cuda.get_device_name(torch.device(device))}"
+
+
 def git_commit() -> str:
-    """HEAD's short hash, with "+changes" when the work tree differs from it."""
+    """HEAD's short hash, with "+changes" when the work tree differs from it ("" where there
+    is no git, or no repository: a copy of the tree on another machine)."""
 
     def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], capture_output=True, text=True).stdout.strip()
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True).stdout.strip()
+        except FileNotFoundError:
+            return ""
 
     head = git("rev-parse", "--short=12", "HEAD")
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
@@ -264,15 +279,16 @@ def engine_model(hf, args) -> FlatModel:
 
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
-    device = measure_this_machine(dtype=args.dtype)
+    device = measure_this_machine(dtype=args.dtype, device=args.device)
     bandwidth = device.bandwidth_bytes_s
     results: dict[str, dict] = {}
     if "tiny" in args.parts:
         results["tiny"] = part_tiny(bandwidth, args)
         progress(results, "tiny")
     if {"decode", "tree", "ttft", "batch"} & set(args.parts):
-        path, _ = models.resolve(ModelRef(), ServiceSettings.load(None).model_cache_dir)
-        flat = engine_model(models.load_model(path, "cpu", args.dtype), args)
+        ref = ModelRef(path=args.target) if args.target else ModelRef()
+        path, _ = models.resolve(ref, ServiceSettings.load(None).model_cache_dir)
+        flat = engine_model(models.load_model(path, args.device, args.dtype), args)
         runner, prompt = ModelRunner(flat), chat_prompt(path)
         if "decode" in args.parts:
             results["decode"] = part_decode(flat, prompt, bandwidth, args)
@@ -336,6 +352,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200, help="tree part: prompt tokens")
     p.add_argument("--prompt-tokens", type=int, default=400, help="ttft part: prompt tokens")
     p.add_argument("--out", default="benchmarks/results/engine.json")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--target", help="model directory instead of the default target")
+    p.add_argument("--tiny", help=f"model directory instead of {TINY.label}")
     args = p.parse_args()
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     if unknown := set(args.parts) - set(PARTS):
@@ -344,17 +363,17 @@ def main() -> None:
     started = time.monotonic()
     results = run(args)
     entry = {
-        "command": "python -m benchmarks.engine --label {} --dtype {} --threads {} --parts {} "
-        "--reps {} --steps {}".format(
-            args.label, args.dtype, args.threads, ",".join(args.parts), args.reps, args.steps
-        ),
+        "command": f"python -m benchmarks.engine --label {args.label} --dtype {args.dtype} "
+        f"--threads {args.threads} --parts {','.join(args.parts)} --reps {args.reps} "
+        f"--steps {args.steps} --device {args.device}"
+        + "".join(f" --{k} {v}" for k in ("target", "tiny") if (v := getattr(args, k))),
         "git_commit": git_commit(),
         "dtype": args.dtype,
         "threads": args.threads,
         "compile": args.compile,
         "torch": torch.__version__,
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores" + device_name(args.device),
         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "seconds": round(time.monotonic() - started),
         "results": results,

@@ -2,6 +2,7 @@
 
     python -m benchmarks.speculative [--tokens 128] [--dtype bfloat16] [--out benchmarks/results]
                                      [--kinds code prose edit] [--only NAME ...] [--skip-hf]
+                                     [--device cuda] [--target DIR --draft DIR]
 
 Three prompt kinds (code generation, prose, code editing with the code in the prompt), greedy,
 batch 1. Through the cluster (scheduler, verifier, gateway; the drafter restarted with each
@@ -19,6 +20,9 @@ Every system is timed the same way: one warm-up request ("Say hi.", 8 tokens) be
 then per prompt the arrival time of each token at the client (the gRPC stream; an HF
 `streamer`), on one clock (time.perf_counter). Decode tokens/s = tokens after the first
 arrival / time from the first arrival to the last; TTFT = first arrival - start.
+--target / --draft: Hugging Face model directories instead of the default pair (stand-ins of
+the same shapes with random weights time the same passes, but their drafts are rarely
+accepted: such rows measure the cost of speculation, not its gain).
 Writes <out>/speculative.json and <out>/speculative.png.
 """
 
@@ -137,8 +141,12 @@ def wanted(label: str, args) -> bool:
 def run_cluster(args) -> dict[str, dict[str, dict]]:
     drafter_port = free_port()
     threads = args.threads
+    target = {"path": args.target} if args.target else {}
+    draft = {"draft_model_path": args.draft} if args.draft else {}
     config = {
+        "gateway": {"model": target},
         "verifier": {
+            "model": target,
             "device": args.device,
             "dtype": args.dtype,
             "batch_size": 1,
@@ -150,7 +158,7 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
             "draft_timeout_seconds": 60,
             "breaker_cooldown_seconds": 0,
         },
-        "drafter": {"device": args.device, "dtype": args.dtype, "torch_threads": threads},
+        "drafter": {"device": args.device, "dtype": args.dtype, "torch_threads": threads} | draft,
     }
     results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -215,8 +223,10 @@ def hf_stream(model, ids: list[int], tokens: int, pad: int, extra: dict) -> dict
 def run_hf(args) -> dict[str, dict[str, dict]]:
     torch.set_num_threads(args.threads)
     cache = ServiceSettings.load(None).model_cache_dir
-    target_path, _ = models.resolve(ModelRef(), cache)
-    draft_path, _ = models.resolve(DrafterSettings().draft_model, cache)
+    target_ref = ModelRef(path=args.target) if args.target else ModelRef()
+    draft_ref = ModelRef(path=args.draft) if args.draft else DrafterSettings().draft_model
+    target_path, _ = models.resolve(target_ref, cache)
+    draft_path, _ = models.resolve(draft_ref, cache)
     tok = models.load_tokenizer(target_path)
     target = models.load_model(target_path, args.device, args.dtype)
     drafts = [models.load_model(draft_path, args.device, args.dtype)]
@@ -285,7 +295,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (every system)")
+    p.add_argument("--target", help="target model directory (default: the catalog's)")
+    p.add_argument("--draft", help="draft model directory (default: the catalog's)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--skip-hf", action="store_true", help="only the cluster rows")
     p.add_argument(
@@ -306,7 +318,8 @@ def main() -> None:
         "command": f"python -m benchmarks.speculative --tokens {args.tokens} --dtype {args.dtype}"
         f" --device {args.device} --kinds {' '.join(args.kinds)}"
         + (f" --only {' '.join(args.only)}" if args.only else "")
-        + (" --skip-hf" if args.skip_hf else ""),
+        + (" --skip-hf" if args.skip_hf else "")
+        + (f" --target {args.target} --draft {args.draft}" if args.target or args.draft else ""),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads, "
         f"device {args.device}",

@@ -101,36 +101,53 @@ def shape_from_dir(path: Path) -> Shape:
     return replace(shape, params=params, source="measured: weights file")
 
 
-def measure_this_machine(sample_bytes: int = 1 << 30, dtype: str = "bfloat16") -> Device:
-    """This machine: its RAM, its memory bandwidth measured by copying a tensor larger than
-    any cache with every core (bytes read + written per second, best of 5), and its matrix
-    multiply FLOP/s in `dtype` (a 2048-square product, best of 5)."""
+def measure_this_machine(
+    sample_bytes: int = 1 << 30, dtype: str = "bfloat16", device: str = "cpu"
+) -> Device:
+    """This machine's `device` (its RAM for the CPU): its memory, its bandwidth measured by
+    copying a tensor larger than any cache (bytes read + written per second, best of 5), and
+    its matrix multiply FLOP/s in `dtype` (best of 5 products of 2048-square matrices on the
+    CPU, 8192-square on a GPU)."""
     import torch
 
     from .common.models import torch_dtype
 
-    memory = 0.0
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            memory = float(line.split()[1]) * 1024
-    src = torch.ones(sample_bytes // 4, dtype=torch.float32)
+    where = torch.device(device)
+    if where.type == "cuda":
+        memory = float(torch.cuda.get_device_properties(where).total_memory)
+    else:
+        memory = 0.0
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory = float(line.split()[1]) * 1024
+    best = _copy_seconds(sample_bytes, where)
+    n = 8192 if where.type == "cuda" else 2048
+    a = torch.randn(n, n, device=where).to(torch_dtype("float32" if dtype == "int8" else dtype))
+    a @ a  # warm-up: a GPU's first product also picks its kernel
+    fastest = min(_seconds(lambda: a @ a, where) for _ in range(5))
+    name = "this-machine" if where.type == "cpu" else f"this-machine {device}"
+    return Device(name, memory, 2 * sample_bytes / best, 2 * n**3 / fastest, 1, "measured")
+
+
+def _copy_seconds(sample_bytes: int, device) -> float:
+    """The fastest of 5 copies of `sample_bytes` on `device` (the tensors freed on return)."""
+    import torch
+
+    src = torch.ones(sample_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    best = math.inf
-    for _ in range(5):
-        started = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - started)
-    del src, dst
-    n = 2048
-    a = torch.randn(n, n).to(torch_dtype("float32" if dtype == "int8" else dtype))
-    fastest = math.inf
-    for _ in range(5):
-        started = time.perf_counter()
-        a @ a
-        fastest = min(fastest, time.perf_counter() - started)
-    return Device(
-        "this-machine", memory, 2 * sample_bytes / best, 2 * n**3 / fastest, 1, "measured"
-    )
+    return min(_seconds(lambda: dst.copy_(src), device) for _ in range(5))
+
+
+def _seconds(work, device) -> float:
+    """Wall time of `work` on `device`, waiting for a GPU to finish it."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda *_: None
+    sync(device)
+    started = time.perf_counter()
+    work()
+    sync(device)
+    return time.perf_counter() - started
 
 
 def expected_tokens(acceptance: float, depth: int) -> float:
