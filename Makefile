@@ -10,7 +10,8 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto models run test bench bench-load bench-engine lint clean image image-gpu k8s-secrets k8s-render
+.PHONY: setup install proto models run test bench bench-load bench-engine gpu-check gpu-bundle lint \
+	clean image image-gpu k8s-secrets k8s-render
 
 setup: install proto models
 
@@ -56,6 +57,19 @@ LABEL ?= latest
 bench-engine: setup
 	$(VENV)/bin/specserve models fetch smollm2-135m-instruct@0.1.2
 	$(PY) -m benchmarks.engine --label $(LABEL) --dtype bfloat16 --threads 2
+
+# The engine's tests on a device and short benchmarks there, unattended and bounded (README
+# "GPU check"): results in build/gpu-check/results/results.json. No setup: it runs with the
+# machine's python3 where there is no venv, after `make gpu-bundle` packed what it lacks.
+DEVICE ?= cuda
+GPU_CHECK_BUDGET ?= 480
+CHECK_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+gpu-check:
+	$(CHECK_PY) -m benchmarks.gpu_check --device $(DEVICE) --budget $(GPU_CHECK_BUDGET) $(GPU_CHECK_ARGS)
+
+gpu-bundle: setup
+	$(PY) -m benchmarks.gpu_bundle
 
 lint: install proto
 	$(VENV)/bin/ruff check services tests benchmarks
