@@ -27,7 +27,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_generator(params: SamplingParams, device: str = "cpu") -> torch.Generator | None:
+def make_generator(
+    params: SamplingParams, device: str | torch.device = "cpu"
+) -> torch.Generator | None:
+    """The sequence's random source, on the device its logits are on (None when greedy)."""
     if params.greedy:
         return None
     gen = torch.Generator(device=device)
@@ -41,18 +44,19 @@ def make_generator(params: SamplingParams, device: str = "cpu") -> torch.Generat
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from: softmax(logits / T) restricted by top-k and top-p.
 
-    logits: [vocab] float. Returns [vocab] float32 probabilities summing to 1.
+    logits: [vocab] or [rows, vocab] float, each row on its own. Returns float32 probabilities
+    of the same shape, each row summing to 1.
     """
     scaled = logits.float() / params.temperature
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
-        kth = torch.topk(scaled, params.top_k).values[-1]
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if 0.0 < params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.softmax(scaled, dim=-1)
