@@ -1,17 +1,29 @@
-"""The acceptance rule: hand-built trees for the greedy walk, statistics for sampling."""
+"""The acceptance rule: hand-built trees for the greedy walk, the plain walk of
+reference_acceptance as the oracle on random trees, statistics for sampling."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from reference_acceptance import walk
 from specserve.common.tree import DraftTree
 from specserve.drafter.draft_model import _gumbel_top_k
-from specserve.verifier.acceptance import Verdict, accept
+from specserve.verifier.acceptance import Candidates, Verdict, accept, select
 from specserve.verifier.sampling import SamplingParams, target_probs
 
 V = 6
 GREEDY = SamplingParams()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: these tensors are tiny, and on a busy machine a second thread only
+    waits (topk over [50, 6] rows: 60 us on one thread, milliseconds on two)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def one_hot_rows(argmaxes: list[int]) -> torch.Tensor:
@@ -28,6 +40,16 @@ def chain(tokens: list[int]) -> DraftTree:
     return tree
 
 
+def branches() -> DraftTree:
+    tree = DraftTree()
+    a = tree.add(1, -1)  # branch 1: 1 -> 2
+    tree.add(2, a)
+    b = tree.add(3, -1)  # branch 2: 3 -> 4 -> 5
+    c = tree.add(4, b)
+    tree.add(5, c)
+    return tree
+
+
 def test_greedy_perfect_match_accepts_every_node_and_adds_a_bonus():
     v = accept(chain([1, 2, 3]), one_hot_rows([1, 2, 3, 4]), GREEDY, None)
     assert v.accepted == [0, 1, 2]
@@ -40,17 +62,26 @@ def test_greedy_first_node_mismatch_emits_the_target_token():
     assert v.tokens == [5]
 
 
+def test_greedy_stops_at_the_first_mismatch_even_if_deeper_nodes_match():
+    v = accept(chain([1, 2, 3]), one_hot_rows([1, 0, 3, 4]), GREEDY, None)
+    assert v.accepted == [0]  # node 2's token is its row's argmax, but node 1 was refused
+    assert v.tokens == [1, 0]
+
+
 def test_greedy_deep_branch_wins():
-    tree = DraftTree()
-    a = tree.add(1, -1)  # branch 1: 1 -> 2
-    tree.add(2, a)
-    b = tree.add(3, -1)  # branch 2: 3 -> 4 -> 5
-    c = tree.add(4, b)
-    d = tree.add(5, c)
     # rows: root, a, a's child, b, c, d
-    v = accept(tree, one_hot_rows([3, 0, 0, 4, 5, 1]), GREEDY, None)
-    assert v.accepted == [b, c, d]
+    v = accept(branches(), one_hot_rows([3, 0, 0, 4, 5, 1]), GREEDY, None)
+    assert v.accepted == [2, 3, 4]
     assert v.tokens == [3, 4, 5, 1]
+
+
+def test_greedy_siblings_with_one_token_take_the_first():
+    tree = DraftTree()
+    a = tree.add(2, -1)
+    b = tree.add(2, -1)
+    tree.add(3, b)  # would match, under the second of the two
+    v = accept(tree, one_hot_rows([2, 5, 0, 3]), GREEDY, None)
+    assert (v.accepted, v.tokens) == ([a], [2, 5])
 
 
 def test_empty_tree_is_plain_decoding():
@@ -61,11 +92,79 @@ def test_empty_tree_is_plain_decoding():
     assert v.accepted == [] and len(v.tokens) == 1
 
 
+def test_a_batch_gets_each_sequence_its_own_verdict():
+    batch = [
+        Candidates(chain([1, 2, 3]), one_hot_rows([1, 2, 3, 4]), GREEDY),
+        Candidates(DraftTree(), one_hot_rows([5]), GREEDY),
+        Candidates(branches(), one_hot_rows([3, 0, 0, 4, 5, 1]), GREEDY),
+        Candidates(chain([1, 2, 3]), one_hot_rows([5, 2, 3, 4]), GREEDY),
+        Candidates(branches(), one_hot_rows([1, 2, 0, 0, 0, 0]), GREEDY),
+    ]
+    verdicts = [(v.accepted, v.tokens) for v in select(batch)]
+    assert verdicts == [
+        ([0, 1, 2], [1, 2, 3, 4]),
+        ([], [5]),
+        ([2, 3, 4], [3, 4, 5, 1]),
+        ([], [5]),
+        ([0, 1], [1, 2, 0]),
+    ]
+    assert select([]) == []
+
+
+def random_tree(gen: torch.Generator, nodes: int, vocab: int, dists: bool) -> DraftTree:
+    """A tree of `nodes` nodes, each under a random earlier node or the root, with tokens
+    from a small vocabulary (siblings may repeat one); some nodes carry a draft distribution."""
+    tree = DraftTree()
+    for i in range(nodes):
+        parent = int(torch.randint(-1, i, (), generator=gen))
+        tree.add(int(torch.randint(vocab, (), generator=gen)), parent)
+    for node, kids in tree.children().items():
+        if dists and torch.rand((), generator=gen) < 0.5:
+            q = torch.rand(vocab, generator=gen) * (torch.rand(vocab, generator=gen) < 0.7)
+            for kid in kids:  # a distribution its children could come from
+                q[tree.token_ids[kid]] += 0.1
+            support = torch.nonzero(q).flatten()
+            tree.dists[node] = (support.tolist(), (q[support] / q.sum()).tolist())
+    return tree
+
+
+def random_rows(gen: torch.Generator, tree: DraftTree, vocab: int) -> torch.Tensor:
+    """Random logits whose argmax is, most of the time, the token of one of the row's node's
+    children (so walks go deep)."""
+    rows = torch.randn(len(tree) + 1, vocab, generator=gen)
+    children = tree.children()
+    for node in range(-1, len(tree)):
+        kids = children.get(node, [])
+        if kids and torch.rand((), generator=gen) < 0.8:
+            kid = kids[int(torch.randint(len(kids), (), generator=gen))]
+            rows[node + 1, tree.token_ids[kid]] = 10.0
+    return rows
+
+
+def test_select_matches_the_plain_walk_on_random_trees():
+    """Greedy, and sampling with top_k=1 (a point mass: the walk is deterministic), in batches
+    that mix them, against the walk one sequence at a time."""
+    gen = torch.Generator().manual_seed(7)
+    vocab, deep = 8, 0
+    params = [GREEDY, SamplingParams(temperature=0.8, top_k=1)]
+    for _ in range(60):
+        batch = []
+        for _ in range(int(torch.randint(1, 7, (), generator=gen))):
+            tree = random_tree(gen, int(torch.randint(0, 17, (), generator=gen)), vocab, True)
+            kind = params[int(torch.randint(2, (), generator=gen))]
+            batch.append(Candidates(tree, random_rows(gen, tree, vocab), kind, gen))
+        for c, verdict in zip(batch, select(batch), strict=True):
+            assert verdict == walk(c.tree, c.logits, c.params, gen)
+            deep += len(verdict.accepted) >= 2
+    assert deep > 50  # not only trivial walks
+
+
 # --- sampling: the emitted token must be distributed as the target's p -------------------
 
 P_LOGITS = torch.log(torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05]))
 Q = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])  # deliberately unlike p
 TRIALS = 20000
+BATCH = 50  # sequences selected together
 CHI2_CRITICAL = 25.7  # chi-square, 5 degrees of freedom, p-value 1e-4
 
 
@@ -86,12 +185,14 @@ def sampled_tree(gen: torch.Generator, siblings: int, with_dist: bool) -> DraftT
 
 
 def first_tokens(sampler, params: SamplingParams, siblings: int, with_dist=True) -> torch.Tensor:
+    """The first emitted token of TRIALS trials, run BATCH sequences to a `sampler` call."""
     gen = torch.Generator().manual_seed(1234)
     counts = torch.zeros(V)
-    for _ in range(TRIALS):
-        tree = sampled_tree(gen, siblings, with_dist)
-        rows = P_LOGITS.repeat(len(tree) + 1, 1)
-        counts[sampler(tree, rows, params, gen).tokens[0]] += 1
+    for _ in range(TRIALS // BATCH):
+        trees = [sampled_tree(gen, siblings, with_dist) for _ in range(BATCH)]
+        batch = [Candidates(t, P_LOGITS.repeat(len(t) + 1, 1), params, gen) for t in trees]
+        for verdict in sampler(batch):
+            counts[verdict.tokens[0]] += 1
     return counts
 
 
@@ -106,39 +207,89 @@ def first_tokens(sampler, params: SamplingParams, siblings: int, with_dist=True)
     ids=["t1", "t0.7-topk4", "t1.3-topp0.8"],
 )
 def test_sampling_from_a_tree_matches_the_target_distribution(params, siblings):
-    counts = first_tokens(accept, params, siblings)
+    counts = first_tokens(select, params, siblings)
     assert chi_square(counts, target_probs(P_LOGITS, params)) < CHI2_CRITICAL
 
 
 def test_deterministic_siblings_are_point_masses_and_stay_exact():
     params = SamplingParams(temperature=1.0)
-    counts = first_tokens(accept, params, 3, with_dist=False)
+    counts = first_tokens(select, params, 3, with_dist=False)
     assert chi_square(counts, target_probs(P_LOGITS, params)) < CHI2_CRITICAL
 
 
-def naive_accept(tree, logits, params, gen):
+def naive_select(batch: list[Candidates]) -> list[Verdict]:
     """A wrong sampler: on rejection it draws from p instead of the residual distribution."""
-    p = target_probs(logits[0], params)
-    token = tree.token_ids[0]
-    if torch.rand((), generator=gen) < min(1.0, float(p[token] / Q[token])):
-        return Verdict([0], [token])
-    return accept(DraftTree(), logits[:1], params, gen)
+    verdicts = []
+    for c in batch:
+        p = target_probs(c.logits[0], c.params)
+        token = c.tree.token_ids[0]
+        if torch.rand((), generator=c.generator) < min(1.0, float(p[token] / Q[token])):
+            verdicts.append(Verdict([0], [token]))
+        else:
+            verdicts.append(accept(DraftTree(), c.logits[:1], c.params, c.generator))
+    return verdicts
 
 
 def test_the_check_catches_a_biased_sampler():
     params = SamplingParams(temperature=1.0)
-    counts = first_tokens(naive_accept, params, 1)
+    counts = first_tokens(naive_select, params, 1)
     assert chi_square(counts, target_probs(P_LOGITS, params)) > 10 * CHI2_CRITICAL
 
 
-def test_seeded_acceptance_is_reproducible():
+def two_level_tree(gen: torch.Generator) -> DraftTree:
+    """Three children of the root drawn from Q, each with two children: drawn from Q under
+    the first two, deterministic (point masses) under the third."""
+    tree = DraftTree()
+    tree.dists[-1] = (list(range(V)), Q.tolist())
+    for rank, token in enumerate(_gumbel_top_k(Q, 3, gen)):
+        node = tree.add(token, -1)
+        for child in _gumbel_top_k(Q, 2, gen):
+            tree.add(child, node)
+        if rank < 2:
+            tree.dists[node] = (list(range(V)), Q.tolist())
+    return tree
+
+
+def test_sampling_two_levels_deep_matches_the_target_distribution():
+    """Every row is P, so the first two emitted tokens must be independent draws from p."""
+    params = SamplingParams(temperature=1.0)
+    gen = torch.Generator().manual_seed(99)
+    counts = torch.zeros(V, V)
+    deep = 0
+    for _ in range(TRIALS // BATCH):
+        trees = [two_level_tree(gen) for _ in range(BATCH)]
+        batch = [Candidates(t, P_LOGITS.repeat(len(t) + 1, 1), params, gen) for t in trees]
+        verdicts = select(batch)
+        short = [v for v in verdicts if len(v.tokens) == 1]  # their next step has no tree
+        rest = select([Candidates(DraftTree(), P_LOGITS[None], params, gen) for _ in short])
+        for verdict, more in zip(short, rest, strict=True):
+            verdict.tokens += more.tokens
+        for verdict in verdicts:
+            counts[verdict.tokens[0], verdict.tokens[1]] += 1
+            deep += len(verdict.accepted) == 2
+    p = target_probs(P_LOGITS, params)
+    stat = chi_square(counts.flatten(), (p[:, None] * p[None, :]).flatten())
+    p_value = float(torch.special.gammaincc(torch.tensor(35 / 2), torch.tensor(stat / 2)))
+    assert p_value > 1e-4
+    assert deep > TRIALS // 20  # walks went through both levels
+
+
+def test_seeded_selection_is_reproducible_and_its_own():
+    """Same seeds, same verdicts; and a sequence's verdicts do not depend on the others
+    selected with it (each draws from its own generator)."""
     params = SamplingParams(temperature=1.0, seed=5)
+    trees = [two_level_tree(torch.Generator().manual_seed(s)) for s in range(40)]
 
-    def run():
-        gen = torch.Generator().manual_seed(5)
-        return [
-            accept(sampled_tree(gen, 3, True), P_LOGITS.repeat(4, 1), params, gen).tokens
-            for _ in range(50)
-        ]
+    def run(seeds: list[int]) -> list[list[list[int]]]:
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        steps = []
+        for tree in trees:
+            rows = P_LOGITS.repeat(len(tree) + 1, 1)
+            batch = [Candidates(tree, rows, params, g) for g in gens]
+            steps.append([v.tokens for v in select(batch)])
+        return steps
 
-    assert run() == run()
+    together = run([5, 6, 7])
+    assert together == run([5, 6, 7])
+    assert [step[0] for step in together] == [step[0] for step in run([5])]
+    assert [step[0] for step in together] != [step[1] for step in together]

@@ -1,4 +1,4 @@
-"""Which draft tokens the target keeps: a pure function of (tree, target logits, sampling).
+"""Which draft tokens the target keeps: a pure function of (trees, target logits, sampling).
 
 Terms (as in vLLM's rejection sampler and Leviathan et al. 2023, "Fast Inference from
 Transformers via Speculative Decoding"; the tree form is SpecInfer, Miao et al. 2024, and
@@ -16,6 +16,20 @@ are tried in turn; x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)),
 with x_1..x_{i-1} removed and renormalised, and on rejection p_{i+1} = norm(max(0, p_i - q_i)).
 A node without a draft distribution has deterministic children: q_i is a point mass on x_i.
 Either way the emitted token is distributed exactly as p, so the output is the target's.
+
+How it runs: `select` takes every sequence of a step at once and computes where the logits
+are (the accelerator, when there is one). Rather than walking, it decides at every node of
+every tree together which child, if any, that node accepts; a node is accepted iff it and all
+its ancestors were chosen (the tree's ancestor mask), which is exactly the walk's path.
+- Greedy: one argmax over the rows of all greedy sequences; a node is chosen iff its token is
+  its parent row's argmax (the first such sibling). One device-to-host transfer carries the
+  accepted nodes and bonus tokens of the whole batch.
+- Sampling (rejection.py): the sibling recursion runs for all nodes with children of all
+  sampling sequences at once, vectorised over nodes; only the loop over sibling rank (as
+  long as the widest node) is sequential. Each node decides with draws of its own, so
+  deciding off the walked path too changes nothing in distribution. Once the path is known
+  (the transfer above), the bonus tokens are drawn on the device and read in a second one.
+- On the host: the trees' layout (lists into tensors) and the verdicts (tensors into lists).
 """
 
 from __future__ import annotations
@@ -25,9 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from ..common.tree import DraftTree
-from .sampling import SamplingParams, target_probs
-
-_EPS = 1e-12
+from . import rejection
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -36,55 +49,155 @@ class Verdict:
     tokens: list[int]  # the accepted nodes' tokens, then the bonus token
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """A sequence's part of a step: its draft tree, and the target's rows after it."""
+
+    tree: DraftTree
+    logits: torch.Tensor  # [nodes + 1, vocab]: row 0 after the root, row i+1 after node i
+    params: SamplingParams
+    generator: torch.Generator | None = None  # on the logits' device; None: the global one
+
+
 def accept(
     tree: DraftTree,
-    logits: torch.Tensor,  # [nodes + 1, vocab]: row 0 after the root, row i+1 after node i
+    logits: torch.Tensor,  # [nodes + 1, vocab]
     params: SamplingParams,
     generator: torch.Generator | None,
 ) -> Verdict:
-    children = tree.children()
-    accepted: list[int] = []
-    node = -1
-    while True:
-        row = logits[node + 1]
-        kids = children.get(node, [])
-        if params.greedy:
-            best = int(torch.argmax(row))
-            chosen = next((c for c in kids if tree.token_ids[c] == best), None)
-            bonus = best
-        else:
-            chosen, bonus = _rejection_walk(tree, node, kids, target_probs(row, params), generator)
-        if chosen is None:
-            return Verdict(accepted, [tree.token_ids[n] for n in accepted] + [bonus])
-        accepted.append(chosen)
-        node = chosen
+    """One sequence's verdict: `select` of a batch of one."""
+    return select([Candidates(tree, logits, params, generator)])[0]
 
 
-def _rejection_walk(tree, node, kids, p, generator) -> tuple[int | None, int]:
-    """Tries node's children in order; returns (accepted child or None, recovered token)."""
-    dist = tree.dists.get(node)
-    q = None
-    if dist is not None:
-        q = torch.zeros_like(p)
-        q[torch.tensor(dist[0], dtype=torch.long)] = torch.tensor(dist[1], dtype=p.dtype)
-    for child in kids:
-        token = tree.token_ids[child]
-        if q is None:
-            q_i = torch.zeros_like(p)
-            q_i[token] = 1.0
-        else:
-            total = q.sum()
-            if q[token] <= 0 or total <= _EPS:
-                continue  # a child its own distribution could not have drawn: ignore it
-            q_i = q / total
-        u = torch.rand((), generator=generator, device=p.device)
-        if u * q_i[token] < p[token]:  # u < p/q, without dividing
-            return child, token
-        residual = torch.clamp(p - q_i, min=0.0)
-        mass = residual.sum()
-        if mass > _EPS:
-            p = residual / mass
-        if q is not None:
-            q = q.clone()
-            q[token] = 0.0  # drawn without replacement
-    return None, int(torch.multinomial(p, 1, generator=generator))
+def select(batch: list[Candidates]) -> list[Verdict]:
+    """One verdict per sequence, in order: greedy sequences and sampling ones alike."""
+    if not batch:
+        return []
+    order = sorted(range(len(batch)), key=lambda i: not batch[i].params.greedy)
+    ordered = [batch[i] for i in order]
+    greedy = sum(c.params.greedy for c in ordered)  # the first `greedy` of `ordered`
+    layout = Layout.of([c.tree for c in ordered], ordered[0].logits.device)
+    chosen, best = _greedy_choices(ordered[:greedy], layout)
+    sampled = None
+    if greedy < len(ordered):
+        sampled = rejection.decide(ordered[greedy:])
+        chosen = torch.cat([chosen, sampled.chosen])
+    accepted, ends = layout.paths(chosen)  # [seqs, width], [seqs]
+    bonus = best[layout.row_start[:greedy] + ends[:greedy]]  # [greedy seqs]
+    flags, tokens = _to_host(accepted, bonus)  # the step's one transfer for greedy
+    paths = [
+        [i for i in range(len(c.tree)) if flags[s][i]] for s, c in enumerate(ordered)
+    ]  # node indices, root first
+    if sampled is not None:
+        ends_here = [path[-1] if path else -1 for path in paths[greedy:]]
+        tokens += sampled.bonus(ends_here)  # (a second transfer)
+    verdicts = {
+        index: Verdict(path, [c.tree.token_ids[i] for i in path] + [token])
+        for index, path, c, token in zip(order, paths, ordered, tokens, strict=True)
+    }
+    return [verdicts[i] for i in range(len(batch))]
+
+
+def _greedy_choices(group: list[Candidates], layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the greedy sequences (the first in the layout): whether each of their nodes is
+    chosen ([nodes] bool) and the argmax of each of their rows ([rows])."""
+    if not group:
+        none = torch.zeros(0, dtype=torch.long, device=layout.tokens.device)
+        return none.bool(), none
+    best = stacked([c.logits for c in group]).argmax(-1)  # [rows]
+    nodes = layout.nodes[len(group)]
+    parents = layout.parent_rows[:nodes]
+    chosen = (layout.tokens[:nodes] == best[parents]) & layout.first[:nodes]  # [nodes]
+    return chosen, best
+
+
+def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' rows one after another: a view when they already lie back to back in one
+    buffer (as a forward pass's split logits do), else a copy."""
+    first = tensors[0]
+    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
+    for t in tensors:
+        same = t.untyped_storage().data_ptr() == storage and t.dtype == first.dtype
+        if not (same and t.is_contiguous() and t.data_ptr() == end):
+            return torch.cat(tensors)
+        end += t.numel() * t.element_size()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def _to_host(accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+    """accepted [seqs, width] bool and bonus [greedy seqs] in one device-to-host transfer."""
+    seqs, width = accepted.shape
+    flat = torch.cat([accepted.flatten().long(), bonus]).tolist()
+    flags = [flat[s * width : (s + 1) * width] for s in range(seqs)]
+    return flags, flat[seqs * width :]
+
+
+@dataclass
+class Layout:
+    """A batch's trees as tensors on the logits' device. Nodes are numbered through the batch,
+    sequence after sequence, and so are rows (each sequence's row 0, then one per node)."""
+
+    tokens: torch.Tensor  # [nodes]
+    parent_rows: torch.Tensor  # [nodes]: the row a node's token is checked against
+    first: torch.Tensor  # [nodes] bool: no earlier sibling holds the same token
+    padded: torch.Tensor  # [nodes]: where a node sits in a [seqs * width] padding
+    ancestors: torch.Tensor  # [seqs, width, width] bool: each tree's ancestor mask, padded
+    row_start: torch.Tensor  # [seqs]: the row 0 of each sequence
+    nodes: list[int]  # [seqs + 1]: the first node of each sequence, then the total
+
+    @classmethod
+    def of(cls, trees: list[DraftTree], device: torch.device) -> Layout:
+        width = max(map(len, trees))
+        tokens, parent_rows, first, padded, row_start, nodes = [], [], [], [], [], [0]
+        ancestors: list[list[list[bool]]] = []  # [seqs][width][width]
+        for s, tree in enumerate(trees):
+            row = nodes[-1] + s  # rows before it: its predecessors' nodes, plus a row 0 each
+            row_start.append(row)
+            seen: set[tuple[int, int]] = set()
+            for i, (token, parent) in enumerate(zip(tree.token_ids, tree.parents, strict=True)):
+                tokens.append(token)
+                parent_rows.append(row + parent + 1)
+                first.append((parent, token) not in seen)
+                seen.add((parent, token))
+                padded.append(s * width + i)
+            ancestors.append(_ancestor_rows(tree, width))
+            nodes.append(nodes[-1] + len(tree))
+
+        def put(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            put(tokens),
+            put(parent_rows),
+            put(first, torch.bool),
+            put(padded),
+            put(ancestors, torch.bool).reshape(len(trees), width, width),
+            put(row_start),
+            nodes,
+        )
+
+    def paths(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From chosen [nodes] bool (at most one child per node): accepted [seqs, width], the
+        nodes whose ancestors were all chosen, and the row where each walk ends [seqs]."""
+        seqs, width, _ = self.ancestors.shape
+        pad = torch.zeros(seqs * width, dtype=torch.bool, device=chosen.device)
+        pad[self.padded] = chosen
+        pad = pad.view(seqs, width)  # [seqs, width]
+        refused = self.ancestors & ~pad[:, None, :]  # [seqs, width, width]: an ancestor not chosen
+        accepted = self.ancestors.diagonal(dim1=1, dim2=2) & ~refused.any(-1)  # [seqs, width]
+        # The accepted nodes form one path; its deepest node comes last (parents come first).
+        reached = torch.cat([accepted.new_ones(seqs, 1), accepted], 1)  # [seqs, width + 1]
+        rows = torch.arange(width + 1, device=chosen.device)  # [width + 1]: row 0, then nodes
+        ends = (rows * reached).amax(1)  # [seqs]
+        return accepted, ends
+
+
+def _ancestor_rows(tree: DraftTree, width: int) -> list[list[bool]]:
+    """tree.ancestor_mask() as lists, padded to [width, width] with False."""
+    rows: list[list[bool]] = []
+    for i, parent in enumerate(tree.parents):
+        row = list(rows[parent]) if parent >= 0 else [False] * width
+        row[i] = True
+        rows.append(row)
+    return rows + [[False] * width for _ in range(width - len(rows))]

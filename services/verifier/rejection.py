@@ -1,0 +1,179 @@
+"""Recursive rejection sampling on the device, for every node of every sampling tree at once.
+
+The rule is defined in acceptance.py. Here every node with children (a "parent", the root
+included) runs its sibling recursion at the same time: a [parents, vocab] tensor holds each
+parent's current p, and the loop goes over sibling rank, testing the i-th child of every
+parent together. A parent's first child to pass its test is the one it accepts (later ranks
+are computed and ignored); its p after all its children is its residual, from which the
+walk draws its bonus token when all of them are rejected. Every parent tests with uniforms
+of its own, drawn up front from its sequence's generator (one per child rank).
+
+Vectorised: target_probs over the parent rows (one call for all sequences that share their
+sampling parameters), the p/q ratios of a rank for every parent (one gather), the residual
+update (a scatter over the draft distribution's support, or over the child's token for a
+point mass), the choice of child. Sequential: the loop over sibling rank; the random draws
+(one call per sequence: each has its own generator); and the bonus draw, which waits for the
+path, as only then is its row known (drawing at every row instead would cost a vocabulary of
+exponentials per row, a lot on a CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..common.tree import DraftTree
+from .sampling import SamplingParams, target_probs
+
+if TYPE_CHECKING:
+    from .acceptance import Candidates
+
+_EPS = 1e-12
+
+
+@dataclass
+class Parents:
+    """The nodes with children of a group of trees, as tensors: parent j, child rank i."""
+
+    seq: list[int]  # [parents]: its sequence in the group (parents come sequence by sequence)
+    node: list[int]  # [parents]: its node in its tree (-1: the root)
+    children: torch.Tensor  # [parents, width]: its children, numbered through the group
+    tokens: torch.Tensor  # [parents, width]: their tokens (0 past the last child)
+    live: torch.Tensor  # [parents, width] bool: whether it has an i-th child
+    has_dist: torch.Tensor  # [parents, 1] bool: its children were drawn from a distribution
+    support: torch.Tensor  # [parents, support]: that distribution's tokens (padded with 0)
+    q: torch.Tensor  # [parents, support] float32: and their probabilities (padded with 0)
+
+    @classmethod
+    def of(cls, trees: list[DraftTree], device: torch.device) -> Parents:
+        seq, node, kids, dists = [], [], [], []
+        offset = 0
+        for s, tree in enumerate(trees):
+            for parent, children in sorted(tree.children().items()):
+                seq.append(s)
+                node.append(parent)
+                kids.append([(offset + c, tree.token_ids[c]) for c in children])
+                dist = tree.dists.get(parent)  # a token listed twice: its last probability
+                dists.append(dict(zip(*dist, strict=True)) if dist is not None else None)
+            offset += len(tree)
+        width = max(map(len, kids), default=0)
+        support = max((len(d) for d in dists if d), default=1)
+
+        def put(rows: list[list], fill, columns: int, dtype: torch.dtype) -> torch.Tensor:
+            rows = [row + [fill] * (columns - len(row)) for row in rows]
+            return torch.tensor(rows, dtype=dtype).reshape(len(rows), columns).to(device)
+
+        return cls(
+            seq,
+            node,
+            put([[c for c, _ in k] for k in kids], 0, width, torch.long),
+            put([[t for _, t in k] for k in kids], 0, width, torch.long),
+            put([[True] * len(k) for k in kids], False, width, torch.bool),
+            put([[d is not None] for d in dists], False, 1, torch.bool),
+            put([list(d or {}) for d in dists], 0, support, torch.long),
+            put([list((d or {}).values()) for d in dists], 0.0, support, torch.float32),
+        )
+
+
+@dataclass
+class Decision:
+    """What the parents of a group of sampling sequences decided."""
+
+    group: list[Candidates]
+    parents: Parents
+    chosen: torch.Tensor  # [nodes] bool: the child each parent accepts (at most one each)
+    residual: torch.Tensor  # [parents, vocab]: each parent's p after all its children
+
+    def bonus(self, ends: list[int]) -> list[int]:
+        """The bonus token of each sequence whose walk ended at node ends[s] (-1: the root):
+        drawn from that node's residual if it has children, else from p at its row. The
+        draw is torch.multinomial's for one sample (an exponential race), without its checks,
+        which read values back to the host; the tokens come back in one transfer."""
+        parents = zip(self.parents.seq, self.parents.node, strict=True)
+        index = {key: j for j, key in enumerate(parents)}  # (sequence, node) -> parent
+        at = [index.get((s, end)) for s, end in enumerate(ends)]
+        leaves = [
+            (c.logits[end + 1 : end + 2], c.params)
+            for c, end, j in zip(self.group, ends, at, strict=True)
+            if j is None
+        ]
+        leaf_probs = iter(probs(leaves).unbind() if leaves else ())
+        p = torch.stack([self.residual[j] if j is not None else next(leaf_probs) for j in at])
+        noise = torch.empty_like(p)  # [seqs, vocab]
+        for row, c in zip(noise, self.group, strict=True):
+            row.exponential_(generator=c.generator)
+        return (p / noise).argmax(-1).tolist()
+
+
+def decide(group: list[Candidates]) -> Decision:
+    """Every parent's choice among its children, for a group of sampling sequences."""
+    device = group[0].logits.device
+    trees = [c.tree for c in group]
+    parents = Parents.of(trees, device)
+    nodes = sum(map(len, trees))
+    chosen = torch.zeros(nodes + 1, dtype=torch.bool, device=device)
+    if not parents.seq:
+        return Decision(group, parents, chosen[:nodes], torch.zeros(0, device=device))
+    width = parents.children.shape[1]
+    rows = torch.tensor([n + 1 for n in parents.node], device=device)  # [parents]
+    counts = [parents.seq.count(s) for s in range(len(group))]
+    pieces, u = [], []
+    for c, index, count in zip(group, rows.split(counts), counts, strict=True):
+        if count:
+            pieces.append((c.logits[index], c.params))  # [count, vocab]
+            u.append(torch.rand(count, width, generator=c.generator, device=device))
+    passed, residual = siblings(probs(pieces), torch.cat(u), parents)
+    rank = passed.int().argmax(1, keepdim=True)  # [parents, 1]: its first child to pass
+    child = parents.children.gather(1, rank)[:, 0]  # [parents]
+    chosen[torch.where(passed.any(1), child, nodes)] = True
+    return Decision(group, parents, chosen[:nodes], residual)
+
+
+def probs(pieces: list[tuple[torch.Tensor, SamplingParams]]) -> torch.Tensor:
+    """target_probs of each piece's rows ([rows, vocab]) under its parameters, one piece after
+    another: one call for all the pieces that share temperature, top-k and top-p."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, params) in enumerate(pieces):
+        groups.setdefault((params.temperature, params.top_k, params.top_p), []).append(i)
+    if len(groups) == 1:
+        return target_probs(torch.cat([rows for rows, _ in pieces]), pieces[0][1])
+    parts: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
+    for members in groups.values():
+        rows = [pieces[i][0] for i in members]
+        result = target_probs(torch.cat(rows), pieces[members[0]][1])  # [rows, vocab]
+        for i, part in zip(members, result.split([r.shape[0] for r in rows]), strict=True):
+            parts[i] = part
+    return torch.cat(parts)
+
+
+def siblings(
+    p: torch.Tensor,  # [parents, vocab]: the target's distribution at each parent
+    u: torch.Tensor,  # [parents, width]: a uniform per child rank
+    parents: Parents,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sibling recursion of every parent at once. Returns passed [parents, width] (the
+    i-th child passed its test, given that its elder siblings failed theirs) and each
+    parent's p after all its children [parents, vocab]."""
+    q, has_dist = parents.q, parents.has_dist  # [parents, support], [parents, 1]
+    point = torch.zeros_like(q)
+    point[:, 0] = 1.0  # a point mass on the child's token, for parents without a q
+    passed = []
+    for i in range(parents.children.shape[1]):
+        x = parents.tokens[:, i : i + 1]  # [parents, 1]
+        hit = parents.support == x  # [parents, support]
+        total = q.sum(1, keepdim=True)  # [parents, 1]
+        q_x = (q * hit).sum(1, keepdim=True)  # [parents, 1]
+        # A child its own distribution could not have drawn is skipped: no test, no update.
+        tried = parents.live[:, i : i + 1] & (~has_dist | ((q_x > 0) & (total > _EPS)))
+        q_i = torch.where(has_dist, q / total.clamp_min(_EPS), point)  # [parents, support]
+        q_ix = torch.where(has_dist, q_x / total.clamp_min(_EPS), 1.0)  # [parents, 1]
+        passed.append(tried & (u[:, i : i + 1] * q_ix < p.gather(1, x)))  # u < p/q
+        ids = torch.where(has_dist, parents.support, x)  # [parents, support]
+        # max(0, p - q_i) on q_i's support: p - min(p, q_i), the same numbers.
+        residual = p.scatter_add(1, ids, -torch.minimum(p.gather(1, ids), q_i))
+        mass = residual.sum(1, keepdim=True)  # [parents, 1]
+        p = torch.where(tried & (mass > _EPS), residual / mass, p)
+        q = torch.where(hit & tried & has_dist, 0.0, q)  # drawn without replacement
+    return torch.cat(passed, 1), p
