@@ -165,19 +165,22 @@ def test_a_failing_forward_pass_is_attributed_to_its_sequence(tiny_model, store)
 
 
 def test_a_failure_in_acceptance_rewinds_and_ends_only_its_sequence(tiny_model, store, monkeypatch):
-    real_accept = engine_module.accept
+    """Selection fails for the batch holding the marked sequence and for it alone: the others
+    are selected one by one and go on."""
+    real_select = engine_module.select
     calls = {"bad": 0, "before": -1}
     held = {}
 
-    def failing_accept(tree, logits, params, generator):
-        if params.top_k == 7:  # marks the sequence to fail, on its 4th step
+    def failing_select(batch):
+        if any(c.params.top_k == 7 for c in batch):  # marks the sequence to fail, at its 4th step
             calls["bad"] += 1
-            if calls["bad"] == 4:
+            if calls["bad"] >= 4:
                 calls["before"] = len(held["bad"].output_ids)
+                calls.setdefault("failed batch", len(batch))
                 raise RuntimeError("acceptance broke")
-        return real_accept(tree, logits, params, generator)
+        return real_select(batch)
 
-    monkeypatch.setattr(engine_module, "accept", failing_accept)
+    monkeypatch.setattr(engine_module, "select", failing_select)
     engine = make_engine(tiny_model, store, TargetDrafts(tiny_model, depth=3))
     seqs = [admit(engine, store, f"ok{i}", p, max_tokens=20) for i, p in enumerate(PROMPTS)]
     bad = admit(engine, store, "bad", [8, 9, 10, 11], max_tokens=40)
@@ -187,6 +190,7 @@ def test_a_failure_in_acceptance_rewinds_and_ends_only_its_sequence(tiny_model, 
     assert bad.finish_reason == "FINISH_REASON_ERROR" and "acceptance broke" in bad.error
     # the prompt's step (1 token), two steps of 3 accepted drafts + 1, nothing of the fourth
     assert calls["before"] == len(bad.output_ids) == 9
+    assert calls["failed batch"] == 1 + len(PROMPTS)  # the others were in it, and went on
     assert bad.output_ids == hf_greedy(tiny_model, [8, 9, 10, 11], 40)[:9]
     assert store.progress("bad") == bad.output_ids
     assert bad.kv is None  # released

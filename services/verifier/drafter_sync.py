@@ -81,7 +81,8 @@ class DrafterSync:
                 temperature=seq.params.temperature,
             )
             if seq.generator is not None:
-                delta.draw_seed = int(torch.randint(2**62, (), generator=seq.generator))
+                gen = seq.generator
+                delta.draw_seed = int(torch.randint(2**62, (), generator=gen, device=gen.device))
             # Sent on an ordered stream: held even if this step's answer comes too late.
             self._synced[seq.request_id] = _Synced(client.address, client.epoch, len(ids))
         return request

@@ -26,7 +26,7 @@ from ..common.outage import REDIS_UNREACHABLE, OutageLog
 from ..common.store import RequestStore, StepState
 from ..common.tree import DraftTree
 from . import metrics, stages
-from .acceptance import accept
+from .acceptance import Candidates, Verdict, select
 from .admission import Admission, CachedPrefix, Grant
 from .runner import ModelRunner, describe
 from .sampling import make_generator
@@ -94,7 +94,7 @@ class Engine:
     def admit(self, seq: Sequence, grant: Grant) -> None:
         """Hands a sequence admitted with `grant` (and claimed) to the loop; it joins at the
         next step. A cached prefix of its session becomes its KV, cut to the shared tokens."""
-        seq.generator = make_generator(seq.params)
+        seq.generator = make_generator(seq.params, self.runner.model.device)  # where logits are
         seq.kv_limit = grant.tokens
         if grant.prefix is not None:
             kv = grant.prefix.kv
@@ -246,14 +246,20 @@ class Engine:
         """Accepts, commits and appends each sequence's tokens. A failure is the failing
         sequence's alone: it ends with FINISH_REASON_ERROR, its KV back at its last committed
         length, while the rest of the batch goes on as if it had never been there."""
+        ready = [  # (a prefill chunk yields no token until the prompt is all in)
+            (part.seq, tree, rows)
+            for part, tree, rows in zip(plan.parts, trees, logits, strict=True)
+            if part.complete and not isinstance(rows, Exception)
+        ]
+        verdicts = iter(self._select(ready))
         accepted = 0
         for part, tree, rows in zip(plan.parts, trees, logits, strict=True):
             if isinstance(rows, Exception):
                 self._fail(part.seq, part.was, describe(rows))
-            elif part.complete:  # (a prefill chunk yields no token until the prompt is all in)
+            elif part.complete:
                 if part.prefilling:
                     stages.prefilled(part.seq)
-                accepted += self._settle(part.seq, tree, rows, part.was)
+                accepted += self._settle(part.seq, tree, next(verdicts), part.was)
         span.set_attribute("accepted_tokens", accepted)
         return not all(s.finish_reason == "FINISH_REASON_ERROR" for s in plan.seqs)
 
@@ -262,11 +268,38 @@ class Engine:
         then the model, the device or the loop is broken, not one request."""
         return self.failed_steps < self.max_failed_steps
 
-    def _settle(self, seq: Sequence, tree: DraftTree, rows: torch.Tensor, was: Committed) -> int:
-        """Accepts, commits and appends one sequence's tokens; a failure ends that sequence
-        alone. Returns how many draft tokens it accepted."""
+    def _select(
+        self, ready: list[tuple[Sequence, DraftTree, torch.Tensor]]
+    ) -> list[Verdict | Exception]:
+        """Per sequence (with its tree and logits) its verdict, all selected at once where the
+        logits are; if that fails, one by one, so that an error is its own sequence's alone."""
+        batch = [Candidates(tree, rows, seq.params, seq.generator) for seq, tree, rows in ready]
         try:
-            return self._commit(seq, tree, rows)
+            return select(batch)
+        except Exception as e:
+            if len(batch) == 1:
+                return [e]
+            log.warning(
+                "batched selection failed; selecting its sequences one by one",
+                extra={"requests": len(batch), "error": describe(e)},
+            )
+        verdicts: list[Verdict | Exception] = []
+        for one in batch:
+            try:
+                verdicts.append(select([one])[0])
+            except Exception as e:
+                verdicts.append(e)
+        return verdicts
+
+    def _settle(
+        self, seq: Sequence, tree: DraftTree, verdict: Verdict | Exception, was: Committed
+    ) -> int:
+        """Commits and appends one sequence's accepted tokens; a failure (in its selection,
+        too) ends that sequence alone. Returns how many draft tokens it accepted."""
+        try:
+            if isinstance(verdict, Exception):
+                raise verdict
+            return self._commit(seq, tree, verdict)
         except Exception as e:
             log.exception("step failed for one request", extra={"request_id": seq.request_id})
             self._fail(seq, was, describe(e))
@@ -281,10 +314,9 @@ class Engine:
         metrics.FAILED_SEQUENCES.inc()
         log.warning("request failed in a step", extra={"request_id": seq.request_id, "error": why})
 
-    def _commit(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> int:
-        """Accepts what the target agrees with, keeps its KV, appends its tokens; returns how
-        many draft tokens it accepted."""
-        verdict = accept(tree, logits, seq.params, seq.generator)
+    def _commit(self, seq: Sequence, tree: DraftTree, verdict: Verdict) -> int:
+        """Keeps the KV of what the target agreed with, appends its tokens; returns how many
+        draft tokens it accepted."""
         self.runner.commit(seq, tree, verdict.accepted)
         emitted = seq.extend(verdict.tokens, self._finished)
         accepted = min(len(verdict.accepted), emitted)

@@ -37,7 +37,7 @@ class ModelRunner:
                 seq.kv = self.model.new_kv()
                 seq.kv.limit = seq.kv_limit
             segments.append(tree_segment(seq, tree, take))
-        logits = [rows.cpu() for rows in self.model.forward(segments)]  # acceptance runs here
+        logits = self.model.forward(segments)  # (selection runs where they are)
         elapsed_ms = (time.perf_counter() - started) * 1000
         for seq in prefilling:
             seq.prefill_ms += elapsed_ms
