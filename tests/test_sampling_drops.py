@@ -45,7 +45,7 @@ class DrawDependentProposer(DraftModelProposer):
 class Target:
     """Target probabilities after a token history (HF forward of the tiny target, memoised:
     the target is deterministic, and trials revisit the same few paths). Rows come back on the
-    CPU, where the verifier's runner hands them to acceptance."""
+    CPU, with the trials' one generator (acceptance runs wherever its rows are)."""
 
     def __init__(self, model):
         self.model = model

@@ -15,7 +15,7 @@ from specserve.drafter.proposer import DraftJob, TreeShape
 from specserve.verifier.acceptance import accept
 from specserve.verifier.reference import hf_greedy
 from specserve.verifier.runner import ModelRunner
-from specserve.verifier.sampling import SamplingParams
+from specserve.verifier.sampling import SamplingParams, make_generator
 
 PROMPTS = [
     [9707, 11, 1879, 0, 9707, 11, 1879, 0, 9707],
@@ -147,10 +147,10 @@ def test_sampling_with_speculation_keeps_seeded_requests_reproducible(tiny_model
         prop = draft_model_proposer(tiny_draft, SHAPES["tree"])
         runner = ModelRunner(FlatModel(tiny_model))
         seq = make_sequence(PROMPTS[0], max_tokens=30)
-        gen = torch.Generator().manual_seed(11)
         params = SamplingParams(temperature=1.0, seed=11)
+        gen = make_generator(params, runner.model.device)  # where the logits stay
         while len(seq.output_ids) < 30:
-            seed = int(torch.randint(2**62, (), generator=gen))
+            seed = int(torch.randint(2**62, (), generator=gen, device=gen.device))
             (tree,) = prop.propose([DraftJob("s", seq.all_ids, 6, 1.0, seed)])
             (logits,) = runner.verify([seq], [tree])
             verdict = accept(tree, logits, params, gen)
