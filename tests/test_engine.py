@@ -23,6 +23,7 @@ from specserve.common.flat_model import FlatModel
 from specserve.common.store import RequestStore
 from specserve.drafter.draft_model import DraftModelProposer
 from specserve.drafter.proposer import DraftJob, TreeShape
+from specserve.verifier import acceptance as acceptance_module
 from specserve.verifier import engine as engine_module
 from specserve.verifier.admission import Admission
 from specserve.verifier.engine import Engine
@@ -167,7 +168,7 @@ def test_a_failing_forward_pass_is_attributed_to_its_sequence(tiny_model, store)
 def test_a_failure_in_acceptance_rewinds_and_ends_only_its_sequence(tiny_model, store, monkeypatch):
     """Selection fails for the batch holding the marked sequence and for it alone: the others
     are selected one by one and go on."""
-    real_select = engine_module.select
+    real_select = acceptance_module.select
     calls = {"bad": 0, "before": -1}
     held = {}
 
@@ -180,7 +181,7 @@ def test_a_failure_in_acceptance_rewinds_and_ends_only_its_sequence(tiny_model, 
                 raise RuntimeError("acceptance broke")
         return real_select(batch)
 
-    monkeypatch.setattr(engine_module, "select", failing_select)
+    monkeypatch.setattr(acceptance_module, "select", failing_select)
     engine = make_engine(tiny_model, store, TargetDrafts(tiny_model, depth=3))
     seqs = [admit(engine, store, f"ok{i}", p, max_tokens=20) for i, p in enumerate(PROMPTS)]
     bad = admit(engine, store, "bad", [8, 9, 10, 11], max_tokens=40)

@@ -34,6 +34,7 @@ its ancestors were chosen (the tree's ancestor mask), which is exactly the walk'
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,8 @@ import torch
 from ..common.tree import DraftTree
 from . import rejection
 from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -201,3 +204,25 @@ def _ancestor_rows(tree: DraftTree, width: int) -> list[list[bool]]:
         row[i] = True
         rows.append(row)
     return rows + [[False] * width for _ in range(width - len(rows))]
+
+
+def select_each(batch: list[Candidates]) -> list[Verdict | Exception]:
+    """`select`, with a failure kept to the sequences it belongs to: if selecting the batch
+    together raises, each sequence is selected alone, and the ones that still fail get their
+    error instead of a verdict (as `ModelRunner.verify_each` does for the forward pass)."""
+    try:
+        return select(batch)
+    except Exception as e:
+        if len(batch) == 1:
+            return [e]
+        log.warning(
+            "batched selection failed; selecting its sequences one by one",
+            extra={"requests": len(batch), "error": f"{type(e).__name__}: {e}"[:300]},
+        )
+    verdicts: list[Verdict | Exception] = []
+    for one in batch:
+        try:
+            verdicts.append(select([one])[0])
+        except Exception as e:
+            verdicts.append(e)
+    return verdicts

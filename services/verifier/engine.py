@@ -26,11 +26,11 @@ from ..common.outage import REDIS_UNREACHABLE, OutageLog
 from ..common.store import RequestStore, StepState
 from ..common.tree import DraftTree
 from . import metrics, stages
-from .acceptance import Candidates, Verdict, select
+from .acceptance import Candidates, Verdict, select_each
 from .admission import Admission, CachedPrefix, Grant
 from .runner import ModelRunner, describe
 from .sampling import make_generator
-from .sequence import Committed, Sequence
+from .sequence import Committed, Sequence, common_prefix
 from .speculator import Speculator
 from .step_plan import StepPlan, plan_step
 
@@ -251,7 +251,11 @@ class Engine:
             for part, tree, rows in zip(plan.parts, trees, logits, strict=True)
             if part.complete and not isinstance(rows, Exception)
         ]
-        verdicts = iter(self._select(ready))
+        verdicts = iter(
+            select_each(
+                [Candidates(tree, rows, seq.params, seq.generator) for seq, tree, rows in ready]
+            )
+        )
         accepted = 0
         for part, tree, rows in zip(plan.parts, trees, logits, strict=True):
             if isinstance(rows, Exception):
@@ -267,29 +271,6 @@ class Engine:
         """False once `max_failed_steps` steps in a row failed for every sequence in them:
         then the model, the device or the loop is broken, not one request."""
         return self.failed_steps < self.max_failed_steps
-
-    def _select(
-        self, ready: list[tuple[Sequence, DraftTree, torch.Tensor]]
-    ) -> list[Verdict | Exception]:
-        """Per sequence (with its tree and logits) its verdict, all selected at once where the
-        logits are; if that fails, one by one, so that an error is its own sequence's alone."""
-        batch = [Candidates(tree, rows, seq.params, seq.generator) for seq, tree, rows in ready]
-        try:
-            return select(batch)
-        except Exception as e:
-            if len(batch) == 1:
-                return [e]
-            log.warning(
-                "batched selection failed; selecting its sequences one by one",
-                extra={"requests": len(batch), "error": describe(e)},
-            )
-        verdicts: list[Verdict | Exception] = []
-        for one in batch:
-            try:
-                verdicts.append(select([one])[0])
-            except Exception as e:
-                verdicts.append(e)
-        return verdicts
 
     def _settle(
         self, seq: Sequence, tree: DraftTree, verdict: Verdict | Exception, was: Committed
@@ -434,13 +415,3 @@ class Engine:
             self.running.pop(seq.request_id, None)
             cancelled_at = self._cancel.pop(seq.request_id, None)
         return None if cancelled_at is None else self.steps - cancelled_at
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

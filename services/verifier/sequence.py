@@ -173,3 +173,13 @@ class Committed:
     def rewind(self, seq: Sequence) -> None:
         if seq.kv is not None:
             seq.kv.truncate(self.kv_length)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
