@@ -76,8 +76,11 @@ class KVPool:
         log.info("KV pool grows", extra={"blocks": old, "new_blocks": old + more})
         for name in ("keys", "values"):
             tensor = getattr(self, name)
-            extra = tensor.new_empty((tensor.shape[0], more * self.block_size, *tensor.shape[2:]))
-            setattr(self, name, torch.cat([tensor, extra], dim=1))
+            grown = tensor.new_empty(
+                (tensor.shape[0], (old + more) * self.block_size, *tensor.shape[2:])
+            )
+            grown[:, : tensor.shape[1]] = tensor  # only what was there is copied (touched)
+            setattr(self, name, grown)
         self.free_blocks[:0] = range(old + more - 1, old - 1, -1)  # the new ones are taken last
 
     def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
