@@ -51,7 +51,7 @@ from specserve.verifier.reference import hf_greedy
 from .prompts import PROMPTS
 
 WARM_UP = ("Say hi.", 8)
-SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8", "int4": "int4"}
 # label -> (drafter settings, tree size per step); None: speculation off. {dtype} becomes the
 # dtype the running drafter reports; a drafter without "dtype" here runs in --dtype.
 CHAIN = {"branching": 1, "width": 1}
@@ -133,9 +133,7 @@ def start_drafter(cluster: LocalCluster, settings: dict, port: int) -> str:
 
 
 def wanted(label: str, args) -> bool:
-    if args.only and label != "plain" and not any(o in label for o in args.only):
-        return False
-    return args.device == "cpu" or "int8" not in label  # int8 drafts are CPU only
+    return not args.only or label == "plain" or any(o in label for o in args.only)
 
 
 def run_cluster(args) -> dict[str, dict[str, dict]]:
@@ -230,8 +228,7 @@ def run_hf(args) -> dict[str, dict[str, dict]]:
     tok = models.load_tokenizer(target_path)
     target = models.load_model(target_path, args.device, args.dtype)
     drafts = [models.load_model(draft_path, args.device, args.dtype)]
-    if args.device == "cpu":
-        drafts.append(models.load_model(draft_path, "cpu", "int8"))
+    drafts.append(models.load_model(draft_path, args.device, "int8"))
     variants = {"hf plain": {}}
     for draft in drafts:  # labelled by the dtype the loaded draft runs in
         variants[f"hf assistant_model (draft {SHORT[models.loaded_dtype(draft)]})"] = {

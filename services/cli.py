@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prompt-tokens", type=int, default=512)
     pl.add_argument("--output-tokens", type=int, default=256)
     pl.add_argument(
-        "--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "int8"]
+        "--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "int8", "int4"]
     )
     pl.add_argument("--acceptance", type=float, help="per draft token (default: assumed 0.7)")
     pl.add_argument(

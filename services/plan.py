@@ -21,7 +21,11 @@ from pathlib import Path
 
 USABLE_MEMORY = 0.9  # of a device's memory; the rest is the framework's and activations'
 PREFILL_EFFICIENCY = 0.5  # share of peak FLOP/s a prefill reaches (assumed; MFU)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+# Bytes per weight; int4 carries a bfloat16 scale and offset per 32 weights. (The embedding of
+# a quantised model stays unquantised, left out: decode reads one row of it.)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.625}
+# Bytes per KV cache element: quantised models keep activations and KV in float32.
+KV_BYTES = {**DTYPE_BYTES, "int8": 4, "int4": 4}
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,9 @@ def measure_this_machine(
                 memory = float(line.split()[1]) * 1024
     best = _copy_seconds(sample_bytes, where)
     n = 8192 if where.type == "cuda" else 2048
-    a = torch.randn(n, n, device=where).to(torch_dtype("float32" if dtype == "int8" else dtype))
+    a = torch.randn(n, n, device=where).to(
+        torch_dtype("bfloat16" if dtype in ("int8", "int4") else dtype)
+    )
     a @ a  # warm-up: a GPU's first product also picks its kernel
     fastest = min(_seconds(lambda: a @ a, where) for _ in range(5))
     name = "this-machine" if where.type == "cpu" else f"this-machine {device}"
@@ -173,7 +179,7 @@ def plan(target: Shape, draft: Shape | None, device: Device, load: Load) -> dict
     """The plan as a dict of figures, each {value, source}."""
     b = DTYPE_BYTES[load.dtype]
     weights = target.params * b
-    kv_token = target.kv_bytes_per_token(b)
+    kv_token = target.kv_bytes_per_token(KV_BYTES[load.dtype])
     context = load.prompt_tokens + load.output_tokens
     kv_sequence = kv_token * context
     usable = device.memory_bytes * USABLE_MEMORY

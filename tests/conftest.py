@@ -39,15 +39,17 @@ def tokenizer():
     return models.load_tokenizer(default_target_dir())
 
 
-def save_tiny_qwen(path: Path, tokenizer, noise: float = 0.0) -> Path:
+def save_tiny_qwen(
+    path: Path, tokenizer, noise: float = 0.0, hidden_size: int = 64, intermediate_size: int = 128
+) -> Path:
     """A 2-layer random Qwen2 with the default target's tokenizer, saved in float32; with
     noise, every weight of that same model is perturbed by noise * its tensor's std."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,37 +311,34 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_model(path: Path, device: str, dtype: str):
+def load_model(path: Path, device: str, dtype: str, *, setting: str = "dtype"):
     """Loads a causal LM for inference (eval mode, no grad bookkeeping).
 
-    dtype "int8" (CPU only): float32 weights, then every linear layer quantised to int8 per
-    output channel with dynamic activation quantisation. About 3x faster than bfloat16 on a
-    CPU and slightly less accurate: meant for draft models, whose outputs only propose."""
-    import torch
+    dtype "int8" / "int4": weight-only quantised linear layers on torch's own kernels (see
+    common/quant.py), quantised from the stored float32 weights; the rest runs in bfloat16.
+    A build or device that cannot run them raises ModelError naming `setting`."""
     from transformers import AutoModelForCausalLM
 
-    load_dtype = "float32" if dtype == "int8" else dtype
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(load_dtype))
-    model = model.to(device).eval()
-    if dtype == "int8":
-        if device != "cpu":
-            raise ModelError("dtype int8 (dynamic quantisation) runs on the CPU only")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the eager quantisation API warns of its future
-            from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    from . import quant
 
-            model = quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig})
-    return model
+    quantised = dtype in quant.QUANTISED
+    try:
+        if quantised:
+            quant.probe(dtype, device)  # before the load: a minute saved on a failure
+        load_dtype = "float32" if quantised else dtype
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(load_dtype))
+        model = model.to(device).eval()
+        return quant.quantize(model, dtype) if quantised else model
+    except quant.QuantError as e:
+        raise ModelError(f"{setting}: {dtype} cannot run on {device}: {e}") from e
 
 
 def loaded_dtype(model) -> str:
-    """The dtype a loaded model runs in, read off the model: "int8" where load_model
+    """The dtype a loaded model runs in, read off the model: "int8" / "int4" where load_model
     quantised its linear layers, else its weights' dtype ("bfloat16", "float32", ...)."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+    from . import quant
 
-    if any(isinstance(m, DynamicInt8Linear) for m in model.modules()):
-        return "int8"
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
+    return quant.kind_of(model) or str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def load_tokenizer(path: Path):

@@ -15,6 +15,11 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_va
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+Dtype = Literal["float32", "bfloat16", "float16", "int8", "int4"]
+DTYPE_HELP = (
+    "int8 / int4: weight-only quantised linear layers (per channel / per group of 32), "
+    "the rest in float32; a device whose torch build lacks the kernel stops the service."
+)
 
 
 def runnable_device(device: str) -> str:
@@ -270,7 +275,7 @@ class VerifierSettings(ServiceSettings):
         "`specserve rollout canary` sets (none until then).",
     )
     device: Device = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = Field(default="float32", description=DTYPE_HELP)
     compile: bool = Field(
         default=True,
         description="torch.compile the forward (inductor; at start, counted as "
@@ -365,9 +370,7 @@ class DrafterSettings(ServiceSettings):
     draft_model: ModelRef = ModelRef(name="qwen2.5-coder-0.5b-instruct", version="0.9.0")
     draft_model_path: str | None = Field(default=None, description="Overrides draft_model.")
     device: Device = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16", "int8"] = Field(
-        default="float32", description="int8: quantised linear layers, CPU only, fastest there."
-    )
+    dtype: Dtype = Field(default="float32", description=DTYPE_HELP)
     compile: bool = Field(
         default=True,
         description="torch.compile the forward (inductor; at start, counted as "
@@ -399,8 +402,6 @@ class DrafterSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        if self.dtype == "int8" and self.device != "cpu":
-            raise ValueError("dtype int8 (dynamic quantisation) needs device cpu")
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must not exceed ngram_max")
         return self

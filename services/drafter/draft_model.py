@@ -57,7 +57,7 @@ class DraftModelProposer(Proposer):
             ref = ModelRef(path=settings.draft_model_path)
         path, _ = models.resolve(ref, settings.model_cache_dir)
         model, _ = FlatModel.prepare(
-            models.load_model(path, settings.device, settings.dtype),
+            models.load_model(path, settings.device, settings.dtype, setting="drafter.dtype"),
             compile=settings.compile,
             key="drafter.compile",
             on_graph=lambda _: COMPILED_GRAPHS.inc(),

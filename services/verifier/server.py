@@ -252,7 +252,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     path, manifest = models.resolve(settings.model, settings.model_cache_dir)
-    model = models.load_model(path, settings.device, settings.dtype)
+    model = models.load_model(path, settings.device, settings.dtype, setting="verifier.dtype")
     tokenizer = models.load_tokenizer(path)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -1,0 +1,171 @@
+"""Weight-only quantised linear layers on torch's own kernels, for the CPU and CUDA.
+
+- `int8`: each output channel's weights as int8 codes with one scale (symmetric,
+  scale = max |w| / 127); `torch._weight_int8pack_mm` (CPU and CUDA).
+- `int4`: each run of INT4_GROUP input weights of an output channel as 4-bit codes with a
+  scale and an offset (asymmetric, from the run's min and max), packed by
+  `_convert_weight_to_int4pack[_for_cpu]` for `_weight_int4pack_mm[_for_cpu]`.
+
+Activations, embeddings, norms, attention and the KV cache stay bfloat16: those kernels take
+bfloat16 activations (float32 ones run ~20x slower on the CPU). Both kernels compute each
+output row from its own input row alone, so a token's logits do not depend on how many
+tokens share its forward pass (a bfloat16 nn.Linear does not promise that).
+
+`quantize` replaces every nn.Linear of a model (the LM head included) in place; `probe` runs
+each quantised layer kind once on the model's device against its dequantised weights, so a
+build whose kernel is missing or wrong there fails at start, not at the first request.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTISED = ("int8", "int4")
+INT4_GROUP = 32  # input weights per scale/offset pair (the kernels take 32, 64, 128, 256)
+CUDA_INNER_K_TILES = 8  # the CUDA int4 layout's tiling; needs in_features % 128 == 0
+
+
+class QuantError(ValueError):
+    """A model cannot be quantised as asked (shape, device or kernel)."""
+
+
+def int8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] float -> codes [out, in] int8, scales [out] with w ~ codes * scales."""
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def int4_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] float -> codes [out, in] int32 in 0..15, scales and offsets [out, in / G]
+    with w ~ (codes - 8) * scale + offset in each run of G = INT4_GROUP inputs."""
+    out, inputs = w.shape
+    if inputs % INT4_GROUP:
+        raise QuantError(f"int4 needs in_features divisible by {INT4_GROUP}; a layer has {inputs}")
+    groups = w.reshape(out, -1, INT4_GROUP)  # [out, in / G, G]
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, in / G]
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
+    return codes.to(torch.int32).reshape(out, inputs), scales, low + 8 * scales
+
+
+def int4_dequantized(codes, scales, offsets) -> torch.Tensor:
+    out, inputs = codes.shape
+    groups = codes.reshape(out, -1, INT4_GROUP).float() - 8  # [out, in / G, G]
+    return (groups * scales[..., None] + offsets[..., None]).reshape(out, inputs)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (codes * scales).T + bias, int8 codes with one scale per output channel."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        codes, scales = int8_codes(linear.weight.detach().float())
+        self.register_buffer("codes", codes)  # [out, in] int8
+        self.register_buffer("scales", scales.to(dtype))  # [out]
+        self.bias = _bias(linear, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scales)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """y = x @ ((codes - 8) * scale + offset).T + bias, a scale/offset per INT4_GROUP inputs."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        codes, scales, offsets = int4_codes(linear.weight.detach().float())
+        pairs = torch.stack([scales, offsets], dim=-1).transpose(0, 1)  # [in / G, out, 2]
+        self.register_buffer("scale_offset", pairs.contiguous().to(dtype))
+        self.register_buffer("packed", _pack_int4(codes))  # the kernel's own layout
+        self.bias = _bias(linear, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.packed.is_cuda:
+            y = torch._weight_int4pack_mm(flat, self.packed, INT4_GROUP, self.scale_offset)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scale_offset)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [out, in] int32 in 0..15 (on the target device) -> the kernel's packed layout."""
+    if codes.is_cuda:
+        if codes.shape[1] % (16 * CUDA_INNER_K_TILES):
+            raise QuantError(
+                f"int4 on cuda needs in_features divisible by {16 * CUDA_INNER_K_TILES}; "
+                f"a layer has {codes.shape[1]}"
+            )
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # [out, in / 2]
+        return torch._convert_weight_to_int4pack(pairs, CUDA_INNER_K_TILES)
+    return torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+
+
+def _bias(linear: nn.Linear, dtype: torch.dtype) -> nn.Parameter | None:
+    if linear.bias is None:
+        return None
+    return nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+
+
+LAYERS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+@torch.no_grad()
+def quantize(model: nn.Module, kind: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Replaces every nn.Linear of `model` by its `kind` layer and casts the rest to `dtype`.
+
+    Each layer is quantised from the weights as loaded (float32 keeps the stored values) on
+    the model's device, one at a time, so only one original layer is held extra at a time."""
+    layer = LAYERS[kind]
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in linears:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer(linear, dtype))
+    return model.to(dtype)
+
+
+def kind_of(model: nn.Module) -> str | None:
+    """ "int8" / "int4" where quantize converted the model's linear layers, else None."""
+    for module in model.modules():
+        for kind, layer in LAYERS.items():
+            if isinstance(module, layer):
+                return kind
+    return None
+
+
+@torch.no_grad()
+def probe(kind: str, device: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Quantises a small seeded layer on `device`, runs it and compares the result with a
+    float32 matmul by the weights its codes encode; raises QuantError when this build has no
+    kernel for `kind` there or its kernel disagrees."""
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(256, 64)
+    linear.weight.copy_(torch.randn(64, 256, generator=gen) * 0.05)
+    linear.bias.copy_(torch.randn(64, generator=gen) * 0.05)
+    x = torch.randn(3, 256, generator=gen).to(dtype).float()  # [3, in], exact in dtype
+    w = linear.weight.float()
+    if kind == "int8":
+        codes, scales = int8_codes(w)
+        weights = codes.float() * scales[:, None]  # [out, in]
+    else:
+        weights = int4_dequantized(*int4_codes(w))
+    expected = x @ weights.t() + linear.bias  # [3, out]
+    try:
+        layer = LAYERS[kind](linear.to(device), dtype)
+        got = layer(x.to(device, dtype)).float().cpu()
+    except (RuntimeError, AssertionError, NotImplementedError) as e:  # no kernel, no device
+        raise QuantError(f"this torch build has no {kind} kernel there ({e})") from e
+    err = (got - expected).abs().max().item()
+    tolerance = 0.02 * expected.abs().max().item()
+    if not err <= tolerance:
+        raise QuantError(
+            f"this torch build's {kind} kernel there is off by {err:.3g} "
+            f"(tolerance {tolerance:.3g})"
+        )
