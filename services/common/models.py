@@ -315,8 +315,9 @@ def load_model(path: Path, device: str, dtype: str, *, setting: str = "dtype"):
     """Loads a causal LM for inference (eval mode, no grad bookkeeping).
 
     dtype "int8" / "int4": weight-only quantised linear layers on torch's own kernels (see
-    common/quant.py), quantised from the stored float32 weights; the rest runs in bfloat16.
-    A build or device that cannot run them raises ModelError naming `setting`."""
+    common/quant.py), quantised from the bfloat16 weights (loading float32 first would double
+    the memory a start needs, for codes that differ in rare roundings); the rest runs in
+    bfloat16. A build or device that cannot run them raises ModelError naming `setting`."""
     from transformers import AutoModelForCausalLM
 
     from . import quant
@@ -325,7 +326,7 @@ def load_model(path: Path, device: str, dtype: str, *, setting: str = "dtype"):
     try:
         if quantised:
             quant.probe(dtype, device)  # before the load: a minute saved on a failure
-        load_dtype = "float32" if quantised else dtype
+        load_dtype = "bfloat16" if quantised else dtype
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(load_dtype))
         model = model.to(device).eval()
         return quant.quantize(model, dtype) if quantised else model

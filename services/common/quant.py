@@ -24,6 +24,7 @@ from torch import nn
 QUANTISED = ("int8", "int4")
 INT4_GROUP = 32  # input weights per scale/offset pair (the kernels take 32, 64, 128, 256)
 CUDA_INNER_K_TILES = 8  # the CUDA int4 layout's tiling; needs in_features % 128 == 0
+ROWS = 4096  # output channels quantised at a time (bounds the float32 temporaries)
 
 
 class QuantError(ValueError):
@@ -55,13 +56,20 @@ def int4_dequantized(codes, scales, offsets) -> torch.Tensor:
     return (groups * scales[..., None] + offsets[..., None]).reshape(out, inputs)
 
 
+def by_rows(convert, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """convert(float32 rows) for ROWS output channels at a time, results joined on dim 0
+    (every quantity here is per output channel, and both kernels' packed layouts stack)."""
+    parts = [convert(weight[i : i + ROWS].float()) for i in range(0, weight.shape[0], ROWS)]
+    return tuple(torch.cat(p) for p in zip(*parts, strict=True))
+
+
 class Int8Linear(nn.Module):
     """y = x @ (codes * scales).T + bias, int8 codes with one scale per output channel."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        codes, scales = int8_codes(linear.weight.detach().float())
+        codes, scales = by_rows(int8_codes, linear.weight.detach())
         self.register_buffer("codes", codes)  # [out, in] int8
         self.register_buffer("scales", scales.to(dtype))  # [out]
         self.bias = _bias(linear, dtype)
@@ -78,10 +86,15 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        codes, scales, offsets = int4_codes(linear.weight.detach().float())
+
+        def convert(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            codes, scales, offsets = int4_codes(rows)
+            return _pack_int4(codes), scales.to(dtype), offsets.to(dtype)
+
+        packed, scales, offsets = by_rows(convert, linear.weight.detach())
         pairs = torch.stack([scales, offsets], dim=-1).transpose(0, 1)  # [in / G, out, 2]
-        self.register_buffer("scale_offset", pairs.contiguous().to(dtype))
-        self.register_buffer("packed", _pack_int4(codes))  # the kernel's own layout
+        self.register_buffer("scale_offset", pairs.contiguous())
+        self.register_buffer("packed", packed)  # the kernel's own layout
         self.bias = _bias(linear, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,14 +133,14 @@ LAYERS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear}
 def quantize(model: nn.Module, kind: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Replaces every nn.Linear of `model` by its `kind` layer and casts the rest to `dtype`.
 
-    Each layer is quantised from the weights as loaded (float32 keeps the stored values) on
-    the model's device, one at a time, so only one original layer is held extra at a time."""
+    Each layer is quantised from the weights as loaded, on the model's device, one at a time
+    (its original is freed as the next one is converted)."""
     layer = LAYERS[kind]
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name, linear in linears:
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer(linear, dtype))
+        setattr(parent, child, layer(getattr(parent, child), dtype))
     return model.to(dtype)
 
 
@@ -142,13 +155,15 @@ def kind_of(model: nn.Module) -> str | None:
 
 @torch.no_grad()
 def probe(kind: str, device: str, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Quantises a small seeded layer on `device`, runs it and compares the result with a
-    float32 matmul by the weights its codes encode; raises QuantError when this build has no
-    kernel for `kind` there or its kernel disagrees."""
+    """Quantises a small seeded layer on `device` (more than ROWS outputs, so its packed
+    chunks are joined), runs it and compares the result with a float32 matmul by the weights
+    its codes encode; raises QuantError when this build has no kernel for `kind` there or
+    its kernel disagrees."""
     gen = torch.Generator().manual_seed(0)
-    linear = nn.Linear(256, 64)
-    linear.weight.copy_(torch.randn(64, 256, generator=gen) * 0.05)
-    linear.bias.copy_(torch.randn(64, generator=gen) * 0.05)
+    out = ROWS + 64
+    linear = nn.Linear(256, out)
+    linear.weight.copy_(torch.randn(out, 256, generator=gen) * 0.05)
+    linear.bias.copy_(torch.randn(out, generator=gen) * 0.05)
     x = torch.randn(3, 256, generator=gen).to(dtype).float()  # [3, in], exact in dtype
     w = linear.weight.float()
     if kind == "int8":
