@@ -42,10 +42,10 @@ def quantised(request, quant_dirs):
 def test_a_quantised_layer_computes_with_its_weights_and_rows_alone(kind):
     torch.manual_seed(0)
     linear = nn.Linear(256, 192).to(DEVICE)
-    layer = quant.LAYERS[kind](linear, torch.bfloat16)
-    x = torch.randn(7, 256, device=DEVICE).bfloat16()  # [rows, in]
+    layer = quant.LAYERS[kind](linear)
+    x = torch.randn(7, 256, device=DEVICE)  # [rows, in]
     y = layer(x)  # [rows, out]
-    assert y.shape == (7, 192) and y.dtype == torch.bfloat16
+    assert y.shape == (7, 192) and y.dtype == torch.float32
     exact = x.float() @ linear.weight.t() + linear.bias
     limit = {"int8": 0.02, "int4": 0.15}[kind]  # of the largest output
     assert (y.float() - exact).abs().max() <= limit * exact.abs().max()
@@ -60,7 +60,7 @@ def test_load_model_quantises_every_linear_and_says_so(quantised, quant_dirs):
     assert not any(isinstance(m, nn.Linear) for m in target.modules())
     assert models.loaded_dtype(target) == kind
     flat = FlatModel(target)
-    assert flat.dtype == torch.bfloat16  # activations and KV
+    assert flat.dtype == torch.float32  # activations and KV
     ref = ModelRef(path=str(quant_dirs[0]))
     version = models.served_version(ref, "ab" * 32, dtype=kind, device=DEVICE)
     assert version.endswith(f":{kind}:{DEVICE}")
@@ -123,7 +123,7 @@ def test_a_quantised_layer_traces_whole_under_torch_compile(kind):
     """fullgraph: no graph break (the kernels have shape functions for tracing); the
     aot_eager backend traces as inductor would, without compiling C++."""
     torch.manual_seed(0)
-    layer = quant.LAYERS[kind](nn.Linear(256, 128).to(DEVICE), torch.bfloat16)
-    x = torch.randn(3, 256, device=DEVICE).bfloat16()
+    layer = quant.LAYERS[kind](nn.Linear(256, 128).to(DEVICE))
+    x = torch.randn(3, 256, device=DEVICE)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), layer(x))

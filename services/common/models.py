@@ -317,7 +317,8 @@ def load_model(path: Path, device: str, dtype: str, *, setting: str = "dtype"):
     dtype "int8" / "int4": weight-only quantised linear layers on torch's own kernels (see
     common/quant.py), quantised from the bfloat16 weights (loading float32 first would double
     the memory a start needs, for codes that differ in rare roundings); the rest runs in
-    bfloat16. A build or device that cannot run them raises ModelError naming `setting`."""
+    float32, which keeps speculation exact. A build or device that cannot run them raises
+    ModelError naming `setting`."""
     from transformers import AutoModelForCausalLM
 
     from . import quant

@@ -6,10 +6,13 @@
   scale and an offset (asymmetric, from the run's min and max), packed by
   `_convert_weight_to_int4pack[_for_cpu]` for `_weight_int4pack_mm[_for_cpu]`.
 
-Activations, embeddings, norms, attention and the KV cache stay bfloat16: those kernels take
-bfloat16 activations (float32 ones run ~20x slower on the CPU). Both kernels compute each
-output row from its own input row alone, so a token's logits do not depend on how many
-tokens share its forward pass (a bfloat16 nn.Linear does not promise that).
+The kernels multiply bfloat16 activations (float32 ones run ~20x slower on the CPU), so a
+layer rounds its input to bfloat16 and returns float32. Everything else (embeddings, norms,
+attention, the KV cache) runs in float32: both kernels compute each output row from its own
+input row alone, and so does float32 attention in practice, so a token's logits do not
+depend on how many tokens share its pass and greedy speculation stays token-identical to
+plain decoding, as in float32. (With bfloat16 attention the default target's speculative
+output left its plain decoding at token 12 of 24.)
 
 `quantize` replaces every nn.Linear of a model (the LM head included) in place; `probe` runs
 each quantised layer kind once on the model's device against its dequantised weights, so a
@@ -24,6 +27,7 @@ from torch import nn
 QUANTISED = ("int8", "int4")
 INT4_GROUP = 32  # input weights per scale/offset pair (the kernels take 32, 64, 128, 256)
 CUDA_INNER_K_TILES = 8  # the CUDA int4 layout's tiling; needs in_features % 128 == 0
+KERNEL_DTYPE = torch.bfloat16  # what the kernels multiply: activations, scales, offsets
 ROWS = 4096  # output channels quantised at a time (bounds the float32 temporaries)
 
 
@@ -66,16 +70,17 @@ def by_rows(convert, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
 class Int8Linear(nn.Module):
     """y = x @ (codes * scales).T + bias, int8 codes with one scale per output channel."""
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         codes, scales = by_rows(int8_codes, linear.weight.detach())
         self.register_buffer("codes", codes)  # [out, in] int8
-        self.register_buffer("scales", scales.to(dtype))  # [out]
-        self.bias = _bias(linear, dtype)
+        self.register_buffer("scales", scales.to(KERNEL_DTYPE))  # [out]
+        self.bias = _bias(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scales)
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        y = torch._weight_int8pack_mm(flat, self.codes, self.scales).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -83,27 +88,27 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """y = x @ ((codes - 8) * scale + offset).T + bias, a scale/offset per INT4_GROUP inputs."""
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
         def convert(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
             codes, scales, offsets = int4_codes(rows)
-            return _pack_int4(codes), scales.to(dtype), offsets.to(dtype)
+            return _pack_int4(codes), scales.to(KERNEL_DTYPE), offsets.to(KERNEL_DTYPE)
 
         packed, scales, offsets = by_rows(convert, linear.weight.detach())
         pairs = torch.stack([scales, offsets], dim=-1).transpose(0, 1)  # [in / G, out, 2]
         self.register_buffer("scale_offset", pairs.contiguous())
         self.register_buffer("packed", packed)  # the kernel's own layout
-        self.bias = _bias(linear, dtype)
+        self.bias = _bias(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
         if self.packed.is_cuda:
             y = torch._weight_int4pack_mm(flat, self.packed, INT4_GROUP, self.scale_offset)
         else:
             y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scale_offset)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -120,18 +125,18 @@ def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return torch._convert_weight_to_int4pack_for_cpu(codes, 1)
 
 
-def _bias(linear: nn.Linear, dtype: torch.dtype) -> nn.Parameter | None:
+def _bias(linear: nn.Linear) -> nn.Parameter | None:
     if linear.bias is None:
         return None
-    return nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+    return nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
 
 LAYERS: dict[str, type[nn.Module]] = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 @torch.no_grad()
-def quantize(model: nn.Module, kind: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """Replaces every nn.Linear of `model` by its `kind` layer and casts the rest to `dtype`.
+def quantize(model: nn.Module, kind: str) -> nn.Module:
+    """Replaces every nn.Linear of `model` by its `kind` layer and casts the rest to float32.
 
     Each layer is quantised from the weights as loaded, on the model's device, one at a time
     (its original is freed as the next one is converted)."""
@@ -140,8 +145,11 @@ def quantize(model: nn.Module, kind: str, dtype: torch.dtype = torch.bfloat16) -
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer(getattr(parent, child), dtype))
-    return model.to(dtype)
+        setattr(parent, child, layer(getattr(parent, child)))
+    for module in model.modules():  # the rest to float32; the layers keep their kernel's dtypes
+        if not isinstance(module, tuple(LAYERS.values())):
+            module._apply(lambda t: t.float() if t.is_floating_point() else t, recurse=False)
+    return model
 
 
 def kind_of(model: nn.Module) -> str | None:
@@ -154,7 +162,7 @@ def kind_of(model: nn.Module) -> str | None:
 
 
 @torch.no_grad()
-def probe(kind: str, device: str, dtype: torch.dtype = torch.bfloat16) -> None:
+def probe(kind: str, device: str) -> None:
     """Quantises a small seeded layer on `device` (more than ROWS outputs, so its packed
     chunks are joined), runs it and compares the result with a float32 matmul by the weights
     its codes encode; raises QuantError when this build has no kernel for `kind` there or
@@ -164,7 +172,7 @@ def probe(kind: str, device: str, dtype: torch.dtype = torch.bfloat16) -> None:
     linear = nn.Linear(256, out)
     linear.weight.copy_(torch.randn(out, 256, generator=gen) * 0.05)
     linear.bias.copy_(torch.randn(out, generator=gen) * 0.05)
-    x = torch.randn(3, 256, generator=gen).to(dtype).float()  # [3, in], exact in dtype
+    x = torch.randn(3, 256, generator=gen).to(KERNEL_DTYPE).float()  # [3, in], exact in it
     w = linear.weight.float()
     if kind == "int8":
         codes, scales = int8_codes(w)
@@ -173,8 +181,8 @@ def probe(kind: str, device: str, dtype: torch.dtype = torch.bfloat16) -> None:
         weights = int4_dequantized(*int4_codes(w))
     expected = x @ weights.t() + linear.bias  # [3, out]
     try:
-        layer = LAYERS[kind](linear.to(device), dtype)
-        got = layer(x.to(device, dtype)).float().cpu()
+        layer = LAYERS[kind](linear.to(device))
+        got = layer(x.to(device)).cpu()
     except (RuntimeError, AssertionError, NotImplementedError) as e:  # no kernel, no device
         raise QuantError(f"this torch build has no {kind} kernel there ({e})") from e
     err = (got - expected).abs().max().item()
