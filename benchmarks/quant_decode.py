@@ -105,7 +105,7 @@ class Decoder:
     def __init__(self, name: str, hf, prompt: list[int], tokens: int, load_s: float):
         self.name, self.hf, self.load_s = name, hf, load_s
         self.model = FlatModel(hf)
-        self.kv = self.model.new_kv(capacity=len(prompt) + tokens + 1)
+        self.kv = self.model.new_kv()
         self.ids = [int(self.model.forward([Segment(self.kv, prompt)])[0][-1].argmax())]
         self.seconds, self.timed = 0.0, 0
 
@@ -121,7 +121,7 @@ class Decoder:
 
 def teacher_forced(model: FlatModel, prompt: list[int], reference: list[int]) -> float:
     """Share of positions whose argmax equals the reference's token, reading the reference."""
-    kv = model.new_kv(capacity=len(prompt) + len(reference))
+    kv = model.new_kv()
     seg = Segment(kv, prompt + reference[:-1], logits_from=len(prompt) - 1)
     predicted = model.forward([seg])[0].argmax(dim=-1).tolist()
     return sum(p == r for p, r in zip(predicted, reference, strict=True)) / len(reference)

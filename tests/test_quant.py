@@ -12,7 +12,8 @@ from conftest import DEVICE, NOISE, default_target_dir, save_tiny_qwen
 from specserve.common import models, quant
 from specserve.common.flat_model import FlatModel, Segment
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
-from specserve.drafter.proposers import DraftModelProposer, TreeShape
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.drafter.proposer import TreeShape
 
 KINDS = ["int8", "int4"]
 # A 128-wide tiny model: the CUDA int4 layout needs in_features divisible by 128.
