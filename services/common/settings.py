@@ -20,6 +20,10 @@ DTYPE_HELP = (
     "int8 / int4: weight-only quantised linear layers (per channel / per group of 32), "
     "the rest in float32; a device whose torch build lacks the kernel stops the service."
 )
+COMPILE_HELP = (
+    "torch.compile the forward (inductor; at start, counted as compiled graphs); "
+    "false runs it eagerly."
+)
 
 
 def runnable_device(device: str) -> str:
@@ -276,11 +280,7 @@ class VerifierSettings(ServiceSettings):
     )
     device: Device = "cpu"
     dtype: Dtype = Field(default="float32", description=DTYPE_HELP)
-    compile: bool = Field(
-        default=True,
-        description="torch.compile the forward (inductor; at start, counted as "
-        "compiled graphs); false runs it eagerly.",
-    )
+    compile: bool = Field(default=True, description=COMPILE_HELP)
     batch_size: int = Field(default=8, ge=1, description="Most sequences in the running batch.")
     interactive_reserved_slots: int = Field(
         default=1, ge=0, description="Batch slots that batch-class work may not take."
@@ -371,11 +371,7 @@ class DrafterSettings(ServiceSettings):
     draft_model_path: str | None = Field(default=None, description="Overrides draft_model.")
     device: Device = "cpu"
     dtype: Dtype = Field(default="float32", description=DTYPE_HELP)
-    compile: bool = Field(
-        default=True,
-        description="torch.compile the forward (inductor; at start, counted as "
-        "compiled graphs); false runs it eagerly.",
-    )
+    compile: bool = Field(default=True, description=COMPILE_HELP)
     torch_threads: int = Field(default=0, ge=0)
     max_depth: int = Field(
         default=6, ge=1, le=64, description="Draft model tree levels (one forward pass each)."
