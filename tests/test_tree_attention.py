@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import make_sequence
+from specserve.common.batch import Batch
 from specserve.common.flat_model import FlatModel, Segment
 from specserve.common.tree import DraftTree
 from specserve.verifier.runner import tree_segment
@@ -69,3 +70,38 @@ def test_one_batch_of_sequences_equals_separate_passes(tiny_model):
     for p, rows in zip(prompts, more, strict=True):
         expected = hf_last_logits(tiny_model, p + [5, 6])
         torch.testing.assert_close(rows[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_step_mixing_prompt_chunks_with_trees_attends_in_two_groups(tiny_model):
+    """Prompt chunks longer than SHORT_TOKENS take one attention call and the decode and tree
+    sequences another; every row equals a plain pass all the same."""
+    flat = FlatModel(tiny_model)
+    vocab = tiny_model.config.vocab_size
+    ids = torch.randint(vocab, (400,), generator=torch.Generator().manual_seed(7)).tolist()
+    chunks = [ids[:150], ids[150:220]]  # two prompt chunks of different lengths
+    decoding = make_sequence(ids[220:250], ids[250:251])  # one token pending
+    branching = make_sequence(ids[300:340], ids[340:342])  # two pending, then a tree
+    for seq in (decoding, branching):
+        seq.kv = flat.new_kv()
+        flat.forward([Segment(seq.kv, seq.prompt_ids)])
+    tree = random_tree(9, vocab, 7)
+    segments = [
+        Segment(flat.new_kv(), chunks[0]),
+        tree_segment(branching, tree),
+        Segment(flat.new_kv(), chunks[1], logits_from=0),
+        tree_segment(decoding, DraftTree()),
+    ]
+    layout = Batch.build(segments, flat.device)  # (takes blocks; lengths stay as they are)
+    assert [group.shape[0] for group in layout.groups] == [2, 2]  # (short, long)
+    first, tree_rows, second, decode_rows = flat.forward(segments)
+    torch.testing.assert_close(first[0], hf_last_logits(tiny_model, chunks[0]), atol=1e-4, rtol=1e-4)
+    for i in range(len(chunks[1])):
+        expected = hf_last_logits(tiny_model, chunks[1][: i + 1])
+        torch.testing.assert_close(second[i], expected, atol=1e-4, rtol=1e-4)
+    expected = hf_last_logits(tiny_model, ids[220:251])
+    torch.testing.assert_close(decode_rows[0], expected, atol=1e-4, rtol=1e-4)
+    prefix = ids[300:342]
+    torch.testing.assert_close(tree_rows[0], hf_last_logits(tiny_model, prefix), atol=1e-4, rtol=1e-4)
+    for node in range(len(tree)):
+        expected = hf_last_logits(tiny_model, prefix + tree.path(node))
+        torch.testing.assert_close(tree_rows[node + 1], expected, atol=1e-4, rtol=1e-4)

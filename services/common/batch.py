@@ -1,11 +1,14 @@
 """The layout of one forward pass: every new token of every sequence in one flat batch.
 
 A step's new tokens (prompt chunks, decode tokens, draft-tree nodes) are T rows; the linear
-layers see them as one [T, hidden] matrix. Attention sees them as B sequences padded to the
-longest new-token count (Nmax) against their KV padded to the longest context (Lmax), with one
-boolean mask for the whole batch. The mask is built on the device from a few numbers per
-sequence (where its new tokens start, how many there are): causal by default; only a draft
-tree's small [new, new] ancestry block is sent from the host.
+layers see them as one [T, hidden] matrix. Attention sees them in at most two groups, one call
+each: the sequences with few new tokens (decode tokens, draft trees) and those with many
+(prompt chunks), so that a 512-token chunk does not pad every tree in the step to its length.
+Within a group, sequences are padded to the group's longest new-token count (Nmax) against
+their KV padded to its longest context (Lmax), with one boolean mask for the group. The mask
+is built on the device from a few numbers per sequence (where its new tokens start, how many
+there are): causal by default; only a draft tree's small [new, new] ancestry block is sent
+from the host.
 
 Everything here is computed once per step and shared by every layer.
 """
@@ -17,6 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import SequenceKV
+
+# Sequences with at most this many new tokens share one attention call, the rest another
+# (docs/architecture.md, "Attention kernel": one call for a mixed step pads 3.7-5.9x the work).
+SHORT_TOKENS = 64
 
 
 @dataclass
@@ -37,27 +44,34 @@ class Segment:
 
 
 @dataclass
+class AttentionGroup:
+    """Sequences of a step that one attention call covers, padded together."""
+
+    rows: torch.Tensor | None  # [t] rows of the flat batch that are this group's (None: all)
+    kv_slots: torch.Tensor | None  # [B, Lmax] pool slot of each sequence's entries (0: padding)
+    kv_range: tuple[int, int] | None  # (first slot, Lmax) when B == 1 and its slots are contiguous
+    query_index: torch.Tensor | None  # [B * Nmax] row (of the group's) of each padded query
+    output_index: torch.Tensor | None  # [t] padded row of each new token (None: B == 1)
+    mask: torch.Tensor | None  # [B, 1, Nmax, Lmax] bool; None: every token sees every entry
+    shape: tuple[int, int, int]  # (B, Nmax, Lmax)
+
+
+@dataclass
 class Batch:
     """Index tensors of one step, on the model's device."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     write_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
-    kv_slots: torch.Tensor | None  # [B, Lmax] pool slot of each sequence's entries (0: padding)
-    kv_range: tuple[int, int] | None  # (first slot, Lmax) when B == 1 and its slots are contiguous
-    query_index: torch.Tensor | None  # [B * Nmax] row of each padded query (None: B == 1)
-    output_index: torch.Tensor | None  # [T] padded row of each new token (None: B == 1)
-    mask: torch.Tensor | None  # [B, 1, Nmax, Lmax] bool; None: every token sees every entry
+    groups: list[AttentionGroup]  # one or two; every row of the batch is in exactly one
     logit_rows: torch.Tensor  # [R] rows that get logits
     logit_counts: list[int]  # [B] how many of them each sequence has
-    shape: tuple[int, int, int]  # (B, Nmax, Lmax)
 
     @classmethod
     def build(cls, segments: list[Segment], device: torch.device) -> Batch:
         """Reserves KV room for the new tokens and lays the step out. kv.length is left as it
         was: the caller advances it once the pass is done (`advance`)."""
-        ids, positions, writes, reads, rows, counts = [], [], [], [], [], []
-        news, pasts = [], []
+        ids, positions, writes, reads, rows, counts, starts = [], [], [], [], [], [], []
         start = 0
         for seg in segments:
             n, past = len(seg.token_ids), seg.kv.length
@@ -71,39 +85,27 @@ class Batch:
             first = n - 1 if seg.logits_from < 0 else seg.logits_from
             rows.append(torch.arange(start + first, start + n))
             counts.append(n - first)
-            news.append(n)
-            pasts.append(past)
+            starts.append(start)
             start += n
-        b, n_max, l_max = len(segments), max(news), max(len(r) for r in reads)
-        kv_slots, kv_range, query_index, output_index = None, None, None, None
-        if b == 1 and bool((reads[0][1:] - reads[0][:-1] == 1).all()):
-            kv_range = (int(reads[0][0]), l_max)
-        else:
-            kv_slots = torch.zeros(b, l_max, dtype=torch.long)
-            for i, slots in enumerate(reads):
-                kv_slots[i, : len(slots)] = slots
-            kv_slots = kv_slots.to(device)
-        if b > 1:
-            query_index = torch.zeros(b, n_max, dtype=torch.long)
-            output_index = torch.cat([i * n_max + torch.arange(n) for i, n in enumerate(news)])
-            offset = 0
-            for i, n in enumerate(news):
-                query_index[i, :n] = torch.arange(offset, offset + n)
-                offset += n
-            query_index = query_index.flatten().to(device)
-            output_index = output_index.to(device)
+        short = [i for i, seg in enumerate(segments) if len(seg.token_ids) <= SHORT_TOKENS]
+        long = [i for i, seg in enumerate(segments) if len(seg.token_ids) > SHORT_TOKENS]
+        members = [short, long] if short and long else [list(range(len(segments)))]
+        groups = [
+            attention_group(
+                [segments[i] for i in group],
+                [reads[i] for i in group],
+                None if len(members) == 1 else [starts[i] for i in group],
+                device,
+            )
+            for group in members
+        ]
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             write_slots=torch.cat(writes).to(device),
-            kv_slots=kv_slots,
-            kv_range=kv_range,
-            query_index=query_index,
-            output_index=output_index,
-            mask=build_mask(segments, pasts, news, n_max, l_max, device),
+            groups=groups,
             logit_rows=torch.cat(rows).to(device),
             logit_counts=counts,
-            shape=(b, n_max, l_max),
         )
 
     @staticmethod
@@ -111,6 +113,46 @@ class Batch:
         """The pass is done: each sequence's KV holds its new tokens."""
         for seg in segments:
             seg.kv.length += len(seg.token_ids)
+
+
+def attention_group(
+    segments: list[Segment], reads: list[torch.Tensor], starts: list[int] | None, device
+) -> AttentionGroup:
+    """The padded layout of `segments`, whose entries are at the slots `reads`; `starts` are
+    the first rows of their tokens in the flat batch (None: the group is the whole batch)."""
+    news = [len(seg.token_ids) for seg in segments]
+    pasts = [seg.kv.length for seg in segments]
+    b, n_max, l_max = len(segments), max(news), max(len(r) for r in reads)
+    kv_slots, kv_range, query_index, output_index = None, None, None, None
+    if b == 1 and bool((reads[0][1:] - reads[0][:-1] == 1).all()):
+        kv_range = (int(reads[0][0]), l_max)
+    else:
+        kv_slots = torch.zeros(b, l_max, dtype=torch.long)
+        for i, slots in enumerate(reads):
+            kv_slots[i, : len(slots)] = slots
+        kv_slots = kv_slots.to(device)
+    if b > 1:
+        query_index = torch.zeros(b, n_max, dtype=torch.long)
+        offset = 0
+        for i, n in enumerate(news):
+            query_index[i, :n] = torch.arange(offset, offset + n)
+            offset += n
+        query_index = query_index.flatten().to(device)
+        output_index = torch.cat([i * n_max + torch.arange(n) for i, n in enumerate(news)])
+        output_index = output_index.to(device)
+    rows = None
+    if starts is not None:
+        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, news, strict=True)])
+        rows = rows.to(device)
+    return AttentionGroup(
+        rows=rows,
+        kv_slots=kv_slots,
+        kv_range=kv_range,
+        query_index=query_index,
+        output_index=output_index,
+        mask=build_mask(segments, pasts, news, n_max, l_max, device),
+        shape=(b, n_max, l_max),
+    )
 
 
 def build_mask(
