@@ -14,6 +14,7 @@ from specserve.common.flat_model import FlatModel, Segment
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
 from specserve.drafter.draft_model import DraftModelProposer
 from specserve.drafter.proposer import TreeShape
+from specserve.verifier.sequence import common_prefix
 
 KINDS = ["int8", "int4"]
 # A 128-wide tiny model: the CUDA int4 layout needs in_features divisible by 128.
@@ -54,6 +55,22 @@ def test_a_quantised_layer_computes_with_its_weights_and_rows_alone(kind):
     # decoded alone or verified with a tree (what keeps speculation exact).
     alone = torch.cat([layer(x[i : i + 1]) for i in range(7)])
     assert torch.equal(y, alone)
+
+
+def test_an_int8_call_past_the_kernels_rows_computes_the_same_product_by_gemm():
+    """More than INT8_KERNEL_ROWS rows (a prompt chunk) go through a bfloat16 GEMM over the
+    widened codes: the same weights, so each row is the int8 kernel's up to rounding."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 192).to(DEVICE)
+    layer = quant.Int8Linear(linear)
+    x = torch.randn(quant.INT8_KERNEL_ROWS + 9, 256, device=DEVICE)
+    by_gemm = layer(x)
+    by_kernel = torch.cat([layer(x[i : i + 8]) for i in range(0, len(x), 8)])
+    assert by_gemm.shape == by_kernel.shape == (len(x), 192)
+    exact = x.float() @ linear.weight.t() + linear.bias
+    assert (by_gemm - exact).abs().max() <= 0.02 * exact.abs().max()
+    torch.testing.assert_close(by_gemm, by_kernel, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
+    assert not torch.equal(by_gemm, by_kernel)  # another kernel ran
 
 
 def test_load_model_quantises_every_linear_and_says_so(quantised, quant_dirs):
@@ -97,9 +114,31 @@ def test_a_dtype_the_device_cannot_run_stops_the_load_naming_the_key(quant_dirs)
         models.load_model(quant_dirs[0], "cuda", "int8", setting="verifier.dtype")
 
 
+def plain_greedy_with_margins(target, prompt: list[int], tokens: int, eos: int):
+    """Plain greedy decoding of `target` through FlatModel, up to `tokens` tokens or EOS: the
+    tokens, and at each (its logit, the margin to the runner-up's)."""
+    flat = FlatModel(target)
+    kv = flat.new_kv()
+    (rows,) = flat.forward([Segment(kv, prompt)])
+    out, margins = [], []
+    for _ in range(tokens):
+        top = torch.topk(rows[-1], 2)
+        out.append(int(top.indices[0]))
+        margins.append((float(top.values[0]), float(top.values[0] - top.values[1])))
+        if out[-1] == eos:
+            break
+        (rows,) = flat.forward([Segment(kv, [out[-1]])])
+    return out, margins
+
+
 @pytest.mark.default_model
 def test_default_pair_int8_speculation_equals_the_int8_targets_plain_decoding(tokenizer):
-    """The real 1.5B target and 0.5B draft, both int8: a chain of 4 drafts per step."""
+    """The real 1.5B target and 0.5B draft, both int8: a chain of 4 drafts per step.
+
+    The int8 LM head's logits are bfloat16, so the top two often tie exactly; float32
+    attention rounds differently for passes of other shapes on some CPUs (1e-7), which can
+    tip such a tie either way. So the outputs are equal, or part where plain decoding's top
+    two logits were within one bfloat16 step of each other; anywhere else is a fault."""
     target = models.load_model(default_target_dir(), DEVICE, "int8")
     ref = DrafterSettings().draft_model
     path, _ = models.resolve(ref, ServiceSettings.load(None).model_cache_dir)
@@ -110,13 +149,16 @@ def test_default_pair_int8_speculation_equals_the_int8_targets_plain_decoding(to
         tokenize=False,
     )
     prompt, eos = tokenizer(text).input_ids, tokenizer.eos_token_id
+    plain, margins = plain_greedy_with_margins(target, prompt, 24, eos)
     chain = TreeShape(max_depth=4, branching=1, width=1)
-    plain, _ = speculative_greedy(target, DraftModelProposer(draft, chain), [prompt], 24, 0, eos)
-    outputs, steps = speculative_greedy(
+    (output,), steps = speculative_greedy(
         target, DraftModelProposer(draft, chain), [prompt], 24, 4, eos
     )
-    assert outputs == plain
-    assert steps < len(outputs[0])  # the drafts were accepted some of the time
+    same = common_prefix(output, plain)
+    if output != plain:
+        top, margin = margins[same]
+        assert margin <= abs(top) * 2**-7, f"token {same} differs with a margin of {margin}"
+    assert steps < len(output)  # the drafts were accepted some of the time
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,7 +1,8 @@
 """Weight-only quantised linear layers on torch's own kernels, for the CPU and CUDA.
 
 - `int8`: each output channel's weights as int8 codes with one scale (symmetric,
-  scale = max |w| / 127); `torch._weight_int8pack_mm` (CPU and CUDA).
+  scale = max |w| / 127); `torch._weight_int8pack_mm` (CPU and CUDA) for calls of up to
+  INT8_KERNEL_ROWS rows, a bfloat16 GEMM over the widened codes for larger ones.
 - `int4`: each run of INT4_GROUP input weights of an output channel as 4-bit codes with a
   scale and an offset (asymmetric, from the run's min and max), packed by
   `_convert_weight_to_int4pack[_for_cpu]` for `_weight_int4pack_mm[_for_cpu]`.
@@ -11,7 +12,9 @@ layer rounds its input to bfloat16 and returns float32. Everything else (embeddi
 attention, the KV cache) runs in float32: both kernels compute each output row from its own
 input row alone, and so does float32 attention in practice, so a token's logits do not
 depend on how many tokens share its pass and greedy speculation stays token-identical to
-plain decoding, as in float32. (With bfloat16 attention the default target's speculative
+plain decoding, as in float32. For int8 the rows of a step with more than INT8_KERNEL_ROWS
+tokens (a prompt chunk, a large batch) come from the GEMM path, so they round differently than
+they would in a smaller step; one request's decode and tree steps never have that many. (With bfloat16 attention the default target's speculative
 output left its plain decoding at token 12 of 24.)
 
 `quantize` replaces every nn.Linear of a model (the LM head included) in place; `probe` runs
@@ -29,6 +32,12 @@ INT4_GROUP = 32  # input weights per scale/offset pair (the kernels take 32, 64,
 CUDA_INNER_K_TILES = 8  # the CUDA int4 layout's tiling; needs in_features % 128 == 0
 KERNEL_DTYPE = torch.bfloat16  # what the kernels multiply: activations, scales, offsets
 ROWS = 4096  # output channels quantised at a time (bounds the float32 temporaries)
+# Most rows an int8 call sends through the int8 kernel. The kernel is built for decode: its
+# cost grows with every row (on this CPU 17 rows cost 5x one row, 400 rows 67x), where a
+# dense bfloat16 GEMM's barely does. Larger calls (prompt chunks, big batches) widen the codes
+# to bfloat16 (exact: |code| <= 127) and run that GEMM, then scale its output. One sequence's
+# decode or tree step stays within the limit, so its rows stay those of plain decoding.
+INT8_KERNEL_ROWS = 64
 
 
 class QuantError(ValueError):
@@ -80,8 +89,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        y = torch._weight_int8pack_mm(flat, self.codes, self.scales).to(x.dtype)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        if flat.shape[0] <= INT8_KERNEL_ROWS:
+            y = torch._weight_int8pack_mm(flat, self.codes, self.scales)
+        else:
+            y = nn.functional.linear(flat, self.codes.to(KERNEL_DTYPE)) * self.scales
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -172,17 +184,18 @@ def probe(kind: str, device: str) -> None:
     linear = nn.Linear(256, out)
     linear.weight.copy_(torch.randn(out, 256, generator=gen) * 0.05)
     linear.bias.copy_(torch.randn(out, generator=gen) * 0.05)
-    x = torch.randn(3, 256, generator=gen).to(KERNEL_DTYPE).float()  # [3, in], exact in it
+    # [rows, in], exact in the kernels' dtype; rows past INT8_KERNEL_ROWS take int8's GEMM path
+    x = torch.randn(3 + INT8_KERNEL_ROWS + 1, 256, generator=gen).to(KERNEL_DTYPE).float()
     w = linear.weight.float()
     if kind == "int8":
         codes, scales = int8_codes(w)
         weights = codes.float() * scales[:, None]  # [out, in]
     else:
         weights = int4_dequantized(*int4_codes(w))
-    expected = x @ weights.t() + linear.bias  # [3, out]
+    expected = x @ weights.t() + linear.bias  # [rows, out]
     try:
         layer = LAYERS[kind](linear.to(device))
-        got = layer(x.to(device)).cpu()
+        got = torch.cat([layer(x[:3].to(device)), layer(x[3:].to(device))]).cpu()
     except (RuntimeError, AssertionError, NotImplementedError) as e:  # no kernel, no device
         raise QuantError(f"this torch build has no {kind} kernel there ({e})") from e
     err = (got - expected).abs().max().item()
