@@ -75,6 +75,9 @@ def watch(
             text=True,
             errors="replace",
             start_new_session=True,  # its own process group, to signal it whole
+            # SIGINT as the default, also where the check itself runs with it ignored (started
+            # in the background by a shell), so that the stop after the limit is graceful
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
 
         def copy() -> None:
