@@ -94,14 +94,18 @@ def test_a_step_mixing_prompt_chunks_with_trees_attends_in_two_groups(tiny_model
     layout = Batch.build(segments, flat.device)  # (takes blocks; lengths stay as they are)
     assert [group.shape[0] for group in layout.groups] == [2, 2]  # (short, long)
     first, tree_rows, second, decode_rows = flat.forward(segments)
-    torch.testing.assert_close(first[0], hf_last_logits(tiny_model, chunks[0]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        first[0], hf_last_logits(tiny_model, chunks[0]), atol=1e-4, rtol=1e-4
+    )
     for i in range(len(chunks[1])):
         expected = hf_last_logits(tiny_model, chunks[1][: i + 1])
         torch.testing.assert_close(second[i], expected, atol=1e-4, rtol=1e-4)
     expected = hf_last_logits(tiny_model, ids[220:251])
     torch.testing.assert_close(decode_rows[0], expected, atol=1e-4, rtol=1e-4)
     prefix = ids[300:342]
-    torch.testing.assert_close(tree_rows[0], hf_last_logits(tiny_model, prefix), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        tree_rows[0], hf_last_logits(tiny_model, prefix), atol=1e-4, rtol=1e-4
+    )
     for node in range(len(tree)):
         expected = hf_last_logits(tiny_model, prefix + tree.path(node))
         torch.testing.assert_close(tree_rows[node + 1], expected, atol=1e-4, rtol=1e-4)

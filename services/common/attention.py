@@ -49,9 +49,7 @@ def attend_group(pool: KVPool, layer: int, group: AttentionGroup, q: torch.Tenso
     return out if group.output_index is None else out[group.output_index]
 
 
-def read_kv(
-    pool: KVPool, layer: int, group: AttentionGroup
-) -> tuple[torch.Tensor, torch.Tensor]:
+def read_kv(pool: KVPool, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's sequences' entries: two [B, kv_heads, Lmax, head_dim] tensors."""
     b, _, l_max = group.shape
     if group.kv_range is not None:
