@@ -70,12 +70,14 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads: every parameter once (a tied embedding once,
-    as the LM head), less an untied input embedding, of which a step reads only its rows."""
-    params = {p.data_ptr(): p for p in model.parameters()}
-    total = sum(p.numel() * p.element_size() for p in params.values())
+    """Bytes of weights one decode step reads: every parameter and buffer once (a tied
+    embedding once, as the LM head; a quantised layer's codes and scales are buffers), less
+    an untied input embedding, of which a step reads only its rows."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
     embed = model.get_input_embeddings().weight
-    if embed.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+    head = getattr(model.get_output_embeddings(), "weight", None)  # None: quantised, own codes
+    if head is None or embed.data_ptr() != head.data_ptr():
         total -= embed.numel() * embed.element_size()
     return total
 
@@ -342,7 +344,9 @@ def summary(results: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--label", required=True, help="key of this run in the results file")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["float32", "bfloat16", "int8", "int4"]
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads (bandwidth too)")
     p.add_argument("--compile", action="store_true", help="torch.compile the forward")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {PARTS}")

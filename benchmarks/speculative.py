@@ -22,7 +22,9 @@ then per prompt the arrival time of each token at the client (the gRPC stream; a
 arrival / time from the first arrival to the last; TTFT = first arrival - start.
 --target / --draft: Hugging Face model directories instead of the default pair (stand-ins of
 the same shapes with random weights time the same passes, but their drafts are rarely
-accepted: such rows measure the cost of speculation, not its gain).
+accepted: such rows measure the cost of speculation, not its gain). --dtype int8 or int4
+quantises the target and every drafter (weight-only, services/common/quant.py); it times the
+cluster rows only (--skip-hf).
 Writes <out>/speculative.json and <out>/speculative.png.
 """
 
@@ -290,7 +292,12 @@ def chart(results: dict[str, dict[str, dict]], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16", "int8", "int4"],
+        help="target and drafter (int8, int4: weight-only quantised, cluster rows only)",
+    )
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (every system)")
     p.add_argument("--target", help="target model directory (default: the catalog's)")
@@ -305,6 +312,8 @@ def main() -> None:
     )
     p.add_argument("--kinds", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     args = p.parse_args()
+    if args.dtype in ("int8", "int4") and not args.skip_hf:
+        p.error(f"--dtype {args.dtype} runs the cluster rows only: add --skip-hf")
     results = run_cluster(args)
     if not args.skip_hf:
         results |= run_hf(args)
