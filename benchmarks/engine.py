@@ -344,9 +344,7 @@ def summary(results: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--label", required=True, help="key of this run in the results file")
-    p.add_argument(
-        "--dtype", default="bfloat16", choices=["float32", "bfloat16", "int8", "int4"]
-    )
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "int8", "int4"])
     p.add_argument("--threads", type=int, default=2, help="torch threads (bandwidth too)")
     p.add_argument("--compile", action="store_true", help="torch.compile the forward")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {PARTS}")

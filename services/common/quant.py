@@ -9,13 +9,14 @@
 
 The kernels multiply bfloat16 activations (float32 ones run ~20x slower on the CPU), so a
 layer rounds its input to bfloat16 and returns float32. Everything else (embeddings, norms,
-attention, the KV cache) runs in float32: both kernels compute each output row from its own
-input row alone, and so does float32 attention in practice, so a token's logits do not
-depend on how many tokens share its pass and greedy speculation stays token-identical to
-plain decoding, as in float32. For int8 the rows of a step with more than INT8_KERNEL_ROWS
-tokens (a prompt chunk, a large batch) come from the GEMM path, so they round differently than
-they would in a smaller step; one request's decode and tree steps never have that many. (With bfloat16 attention the default target's speculative
-output left its plain decoding at token 12 of 24.)
+attention, the KV cache) runs in float32. Both kernels compute each output row from its own
+input row alone, so a token's rows through the linear layers do not depend on how many tokens
+share its pass, up to INT8_KERNEL_ROWS rows an int8 call (larger calls, prompt chunks, take
+the GEMM path). Float32 attention is row-independent on some CPUs and rounds by 1e-7 with the
+query count on others, and the LM head's logits are bfloat16, so greedy speculation equals
+plain decoding up to ties between the top two logits (docs/architecture.md, "What exactly is
+promised"). (With bfloat16 attention the default target's speculative output left its plain
+decoding at token 12 of 24.)
 
 `quantize` replaces every nn.Linear of a model (the LM head included) in place; `probe` runs
 each quantised layer kind once on the model's device against its dequantised weights, so a
