@@ -25,6 +25,8 @@ import ctypes
 import functools
 import gc
 import json
+import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -224,7 +226,15 @@ def main() -> None:
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "ids"}), flush=True)
     if args.out:
-        result = {"model": ref.label, "threads": args.threads, "tokens": args.tokens, "rows": rows}
+        result = {
+            "command": "python -m benchmarks.quant_decode " + " ".join(sys.argv[1:]),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_average_1m": round(os.getloadavg()[0], 2),
+            "model": ref.label,
+            "threads": args.threads,
+            "tokens": args.tokens,
+            "rows": rows,
+        }
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
