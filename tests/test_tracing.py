@@ -189,8 +189,11 @@ def test_each_service_lists_its_metrics(traced):
         assert not missing, f"{service} does not list {missing}"
     gateway = scrape(cluster.procs["gateway"].metrics_port)
     assert gateway["specserve_gateway_output_tokens_total"] >= 4
-    scheduler = scrape(cluster.procs["scheduler"].metrics_port)
-    assert scheduler['specserve_scheduler_live_members{kind="verifier"}'] == 1
+    # The scheduler refreshes the gauge every 0.5 s: it may still hold the count from before
+    # the verifier's first heartbeat.
+    live = 'specserve_scheduler_live_members{kind="verifier"}'
+    port = cluster.procs["scheduler"].metrics_port
+    wait_until(lambda: scrape(port)[live] == 1, "the scheduler counts one live verifier", 10)
 
 
 def test_the_planner_reads_acceptance_off_a_running_verifier(traced):
