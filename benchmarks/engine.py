@@ -15,6 +15,8 @@ Parts (each figure the median of --reps repetitions, with min and max to show th
   ttft    time to first token of a 400-token prompt: its prefill in chunks of the verifier's
           max_prefill_tokens, then the first token's argmax.
   batch   default-target decode step time with batch 1, 4 and 8 (one token each).
+  compile (only when asked for) SmolLM2-135M and the default target, each with an eager and
+          a compiled forward over the same weights, decode steps timed in turns.
 Bandwidth is measured on the spot as `specserve plan` does (a copy of a 1 GiB tensor, bytes
 read + written per second) with --threads threads, on --device. Results merge into --out under
 --label, so that runs of several versions of the engine stay side by side. --target and --tiny
@@ -47,6 +49,7 @@ from specserve.verifier.sampling import SamplingParams
 from specserve.verifier.sequence import Committed, Sequence
 
 PARTS = ("decode", "tiny", "tree", "ttft", "batch")
+ASKED_ONLY = ("compile",)  # not in the default --parts
 TINY = ModelRef(name="smollm2-135m-instruct", version="0.1.2")
 PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
@@ -87,18 +90,6 @@ def random_ids(count: int, seed: int) -> list[int]:
     return torch.randint(1000, 20000, (count,), generator=gen).tolist()
 
 
-def decode_steps(flat: FlatModel, prompt: list[int], steps: int) -> list[float]:
-    """Greedy decode after a prefill of `prompt`: the seconds of each of `steps` steps."""
-    kv = flat.new_kv()
-    token = int(flat.forward([Segment(kv, prompt)])[0][-1].argmax())
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        token = int(flat.forward([Segment(kv, [token])])[0][-1].argmax())
-        times.append(time.perf_counter() - started)
-    return times
-
-
 def chat_prompt(path: Path) -> list[int]:
     """PROMPT as a user turn in the model's chat template: token ids."""
     tok = models.load_tokenizer(path)
@@ -107,10 +98,26 @@ def chat_prompt(path: Path) -> list[int]:
     return tok(text).input_ids
 
 
+def decoder(flat: FlatModel, prompt: list[int]) -> Callable[[int], float]:
+    """After a prefill of `prompt`: a function that decodes `steps` greedy tokens and returns
+    the seconds per step."""
+    kv = flat.new_kv()
+    token = int(flat.forward([Segment(kv, prompt)])[0][-1].argmax())
+
+    def decode(steps: int) -> float:
+        nonlocal token
+        started = time.perf_counter()
+        for _ in range(steps):
+            token = int(flat.forward([Segment(kv, [token])])[0][-1].argmax())
+        return (time.perf_counter() - started) / steps
+
+    return decode
+
+
 def decode_reps(flat: FlatModel, prompt: list[int], steps: int, reps: int) -> list[float]:
     """Seconds per step of each repetition (its steps' total / steps), after a warm-up."""
-    decode_steps(flat, prompt, 4)
-    return [sum(decode_steps(flat, prompt, steps)) / steps for _ in range(reps)]
+    decoder(flat, prompt)(4)
+    return [decoder(flat, prompt)(steps) for _ in range(reps)]
 
 
 def part_decode(flat: FlatModel, prompt: list[int], bandwidth: float, args) -> dict:
@@ -127,9 +134,22 @@ def part_decode(flat: FlatModel, prompt: list[int], bandwidth: float, args) -> d
     }
 
 
-def part_tiny(bandwidth: float, args) -> dict:
-    ref = ModelRef(path=args.tiny) if args.tiny else TINY
+def model_path(ref: ModelRef) -> Path:
     path, _ = models.resolve(ref, ServiceSettings.load(None).model_cache_dir)
+    return path
+
+
+def tiny_ref(args) -> ModelRef:
+    return ModelRef(path=args.tiny) if args.tiny else TINY
+
+
+def target_ref(args) -> ModelRef:
+    return ModelRef(path=args.target) if args.target else ModelRef()
+
+
+def part_tiny(bandwidth: float, args) -> dict:
+    ref = tiny_ref(args)
+    path = model_path(ref)
     hf = models.load_model(path, args.device, args.dtype)
     flat = engine_model(hf, args)
     step = decode_reps(flat, chat_prompt(path), args.steps, args.reps)
@@ -249,6 +269,37 @@ def part_batch(flat: FlatModel, prompt: list[int], args) -> dict:
     }
 
 
+def part_compile(args) -> dict:
+    """Eager and compiled decode of the same weights in turns of a few steps, so that the
+    machine's noise falls on both alike."""
+    results = {}
+    for name, ref in (("tiny", tiny_ref(args)), ("target", target_ref(args))):
+        path = model_path(ref)
+        hf = models.load_model(path, args.device, args.dtype)
+        compiled, seconds = FlatModel.prepare(hf, compile=True, key="--parts compile")
+        prompt = chat_prompt(path)
+        eager, fast = decoder(FlatModel(hf), prompt), decoder(compiled, prompt)
+        eager(4), fast(4)  # warm up
+        turn = max(4, args.steps // 8)
+        samples: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for _ in range(args.reps * 3):
+            samples["eager"].append(eager(turn) * 1000)
+            samples["compiled"].append(fast(turn) * 1000)
+        results[name] = {
+            "model": ref.label,
+            "warm_up_s": round(seconds, 1),
+            "graphs": compiled.graphs,
+            "steps_per_turn": turn,
+            "eager_step_ms": spread(samples["eager"], 2),
+            "compiled_step_ms": spread(samples["compiled"], 2),
+            "compiled_over_eager": round(
+                statistics.median(samples["compiled"]) / statistics.median(samples["eager"]), 3
+            ),
+        }
+        del hf, compiled, eager, fast
+    return results
+
+
 def device_name(device: str) -> str:
     """The name of a CUDA device after a comma (", NVIDIA H200"); "" for the CPU."""
     if device == "cpu":
@@ -288,8 +339,7 @@ def run(args) -> dict:
         results["tiny"] = part_tiny(bandwidth, args)
         progress(results, "tiny")
     if {"decode", "tree", "ttft", "batch"} & set(args.parts):
-        ref = ModelRef(path=args.target) if args.target else ModelRef()
-        path, _ = models.resolve(ref, ServiceSettings.load(None).model_cache_dir)
+        path = model_path(target_ref(args))
         flat = engine_model(models.load_model(path, args.device, args.dtype), args)
         runner, prompt = ModelRunner(flat), chat_prompt(path)
         if "decode" in args.parts:
@@ -304,6 +354,9 @@ def run(args) -> dict:
         if "batch" in args.parts:
             results["batch"] = part_batch(flat, prompt, args)
             progress(results, "batch")
+    if "compile" in args.parts:
+        results["compile"] = part_compile(args)
+        progress(results, "compile")
     return {
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "matmul_gflop_s": round(device.flops / 1e9),
@@ -335,6 +388,12 @@ def summary(results: dict) -> str:
         )
     if t := results.get("ttft"):
         lines.append(f"ttft: {t['prompt_tokens']} tokens {t['ttft_ms']['median']} ms")
+    if c := results.get("compile"):
+        for name, r in c.items():
+            lines.append(
+                f"compile, {name}: eager {r['eager_step_ms']['median']} ms, compiled "
+                f"{r['compiled_step_ms']['median']} ms a step: {r['compiled_over_eager']}x"
+            )
     if b := results.get("batch"):
         steps = ", ".join(f"{n}: {b[f'batch_{n}_step_ms']['median']} ms" for n in (1, 4, 8))
         lines.append(f"batch step: {steps}")
@@ -347,7 +406,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "int8", "int4"])
     p.add_argument("--threads", type=int, default=2, help="torch threads (bandwidth too)")
     p.add_argument("--compile", action="store_true", help="torch.compile the forward")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {PARTS}")
+    p.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated: {PARTS + ASKED_ONLY}"
+    )
     p.add_argument("--reps", type=int, default=5, help="repetitions per figure")
     p.add_argument("--steps", type=int, default=64, help="decode steps per repetition")
     p.add_argument("--batch-steps", type=int, default=8, help="steps per batch repetition")
@@ -359,8 +420,8 @@ def main() -> None:
     p.add_argument("--tiny", help=f"model directory instead of {TINY.label}")
     args = p.parse_args()
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
-    if unknown := set(args.parts) - set(PARTS):
-        p.error(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
+    if unknown := set(args.parts) - set(PARTS + ASKED_ONLY):
+        p.error(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS + ASKED_ONLY)}")
     load_before = os.getloadavg()[0]
     started = time.monotonic()
     results = run(args)
