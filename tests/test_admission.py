@@ -1,4 +1,5 @@
-"""Admission (slots, KV budget, prefix cache) and placement policy: pure logic, no services."""
+"""Admission (slots, KV blocks, the prefix cache) and placement policy: pure logic, no
+services."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from specserve.common.capacity import kv_need
-from specserve.common.kv_cache import KVPool, SequenceKV
+from specserve.common import prefix
+from specserve.common.capacity import admission_blocks, kv_fit_problem, kv_need
+from specserve.common.kv_cache import KVPool
 from specserve.scheduler.placement import (
     VerifierLoad,
     Want,
@@ -17,86 +19,130 @@ from specserve.scheduler.placement import (
     tenant_cap,
     under_cap,
 )
-from specserve.verifier.admission import Admission, CachedPrefix, Refused
+from specserve.verifier.admission import Admission, Refused
 
 
-def prefix(tokens: int) -> CachedPrefix:
-    kv = SequenceKV(KVPool(1, 1, 2, torch.float32, "cpu", block_size=1))
-    kv.reserve(tokens)
-    kv.length = tokens
-    return CachedPrefix(list(range(tokens)), kv)
+def admission(blocks: int = 64, batch_size: int = 8, reserved: int = 0, **kw) -> Admission:
+    pool = KVPool(1, 1, 2, torch.float32, "cpu", block_size=4, blocks=blocks, fixed=True)
+    return Admission(pool, batch_size, reserved, **kw)
 
 
-def test_kv_need_is_capped_by_max_seq_len():
-    assert kv_need(100, 50, 4096) == 150
-    assert kv_need(4000, 500, 4096) == 4096
+def tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_the_rule_is_in_blocks_and_the_worst_case_only_decides_what_can_ever_run():
+    assert kv_need(100, 50, 4096) == 150 and kv_need(4000, 500, 4096) == 4096
+    assert admission_blocks(15, 0, 4) == 4  # 15 tokens + the first generated one
+    assert admission_blocks(16, 0, 4) == 5 and admission_blocks(16, 3, 4) == 2
+    assert kv_fit_problem(10, 6, 16, 4096, 4) is None
+    assert "max_tokens (7)" in kv_fit_problem(10, 7, 16, 4096, 4)  # 17 tokens: 5 blocks
 
 
 def test_slots_and_the_batch_class_share():
-    adm = Admission(kv_budget=10_000, batch_size=3, interactive_reserved_slots=1)
-    adm.admit("b1", "batch", 10)
-    adm.admit("b2", "batch", 10)
+    adm = admission(batch_size=3, reserved=1)
+    adm.admit("b1", "batch", tokens(10))
+    adm.admit("b2", "batch", tokens(10, 100))
     with pytest.raises(Refused, match="batch-class"):
-        adm.admit("b3", "batch", 10)
-    adm.admit("i1", "interactive", 10)  # the reserved slot
+        adm.admit("b3", "batch", tokens(10, 200))
+    adm.admit("i1", "interactive", tokens(10, 300))  # the reserved slot
     with pytest.raises(Refused, match="batch is full"):
-        adm.admit("i2", "interactive", 10)
-    assert adm.load() == {"running": 3, "batch_running": 2, "kv_reserved": 30, "kv_cached": 0}
+        adm.admit("i2", "interactive", tokens(10, 400))
+    load = adm.load()
+    assert (load["running"], load["batch_running"], load["kv_used"]) == (3, 2, 9)
     adm.release("b1")
-    adm.admit("i2", "interactive", 10)
-    assert adm.admit("i2", "interactive", 10) is None  # admitted already: nothing reserved
-    assert adm.load()["kv_reserved"] == 30
+    adm.admit("i2", "interactive", tokens(10, 400))
+    assert adm.admit("i2", "interactive", tokens(10, 400)) is None  # admitted already
 
 
-def test_the_kv_budget_is_never_overcommitted():
-    adm = Admission(kv_budget=100, batch_size=8, interactive_reserved_slots=0)
-    adm.admit("a", "interactive", 60)
-    with pytest.raises(Refused, match="needs 41 KV tokens, 40 are free"):
-        adm.admit("b", "interactive", 41)
-    adm.admit("b", "interactive", 40)
-    assert adm.load()["kv_reserved"] == 100
+def test_admission_takes_the_prompts_blocks_only_and_keeps_the_watermark():
+    adm = admission(blocks=10, watermark_blocks=2)
+    first = adm.admit("a", "interactive", tokens(11))  # 12 tokens: 3 blocks, whatever max_tokens
+    assert len(first.kv.table) == 3 and adm.load()["kv_free"] == 5
+    with pytest.raises(Refused, match="needs 6 KV blocks of 4 tokens, 5 are free"):
+        adm.admit("b", "interactive", tokens(21, 100))
+    adm.admit("b", "interactive", tokens(19, 100))  # 5 blocks: the watermark is left
+    assert adm.pool.available == 2
+    first.kv.free()
+    adm.release("a")
+    assert adm.load()["kv_free"] == 3
 
 
-def test_cached_prefixes_use_unreserved_budget_and_are_evicted_oldest_first():
-    adm = Admission(kv_budget=100, batch_size=8, interactive_reserved_slots=0)
-    adm.admit("a", "interactive", 30)
-    assert adm.release("a", "s1", prefix(30))
-    adm.admit("b", "interactive", 30)
-    assert adm.release("b", "s2", prefix(30))
-    assert adm.load()["kv_cached"] == 60
-    adm.admit("c", "interactive", 50)  # needs 50 of the 40 left unless s1 goes
-    assert adm.load() == {"running": 1, "batch_running": 0, "kv_reserved": 50, "kv_cached": 30}
-    assert adm.admit("d", "interactive", 10, session_id="s1").prefix is None  # evicted
-    assert adm.admit("e", "interactive", 10, session_id="s2").prefix is not None
-    assert not adm.release("x", "s3", prefix(500))  # larger than the free budget: not kept
+def test_the_watermark_does_not_keep_a_lone_request_out():
+    adm = admission(blocks=4, watermark_blocks=2)
+    assert len(adm.admit("a", "interactive", tokens(15)).kv.table) == 4
 
 
-def test_a_session_turn_takes_its_prefix_over_with_its_buffer():
-    adm = Admission(kv_budget=100, batch_size=8, interactive_reserved_slots=0)
-    adm.admit("a", "interactive", 40)
-    adm.release("a", "s", prefix(40))
-    grant = adm.admit("b", "interactive", 20, session_id="s")
-    assert grant.prefix is not None and grant.tokens == 40  # its buffer is 40 long
-    assert adm.load()["kv_cached"] == 0 and adm.load()["kv_reserved"] == 40
-    with pytest.raises(Refused):
-        adm.admit("c", "interactive", 61)
-    adm.release("b", "s", grant.prefix)  # refused admissions put the prefix back like this
-    assert adm.admit("d", "interactive", 10, session_id="s").prefix is grant.prefix
+def test_a_prompt_reuses_the_cached_blocks_of_its_prefix_without_a_session():
+    adm = admission(blocks=16)
+    system = tokens(9)  # two full blocks and one token
+    a = adm.admit("a", "interactive", system + [50, 51, 52])
+    a.kv.length = 12
+    a.kv.seal(system + [50, 51, 52])  # (as the engine does after each step)
+    assert adm.pool.cached == 3
+    b = adm.admit("b", "interactive", system + [60, 61])
+    assert b.cached_tokens == 8 and b.kv.table[:2] == a.kv.table[:2]  # shared, not copied
+    assert b.kv.length == 8 and b.kv.table[2] != a.kv.table[2]
+    a.kv.free()
+    b.kv.free()
+    assert adm.pool.available == 16 and adm.pool.cached == 3  # unreferenced, still cached
 
 
-def load(vid, running=0, capacity=4, batch_running=0, kv_reserved=0, kv_budget=1000):
+def test_unreferenced_cached_blocks_are_evicted_least_recently_used_first():
+    pool = KVPool(1, 1, 2, torch.float32, "cpu", block_size=4, blocks=4, fixed=True)
+    old, new = SequenceFor(pool, tokens(5)), SequenceFor(pool, tokens(5, 50))
+    old.free()
+    new.free()  # released last: evicted last
+    assert pool.cached == 2
+    taken = pool.take(3)  # two free blocks, then the least recently released cached one
+    assert pool.cached == 1 and pool.lookup(prefix.block_hashes(tokens(4), 4, pool.root)) == []
+    assert len(pool.lookup(prefix.block_hashes(tokens(4, 50), 4, pool.root))) == 1
+    pool.release(taken)
+
+
+def SequenceFor(pool: KVPool, ids: list[int]):
+    """A sequence holding `ids`, its full blocks sealed."""
+    from specserve.common.kv_cache import SequenceKV
+
+    kv = SequenceKV(pool)
+    kv.reserve(len(ids))
+    kv.length = len(ids)
+    kv.seal(ids)
+    return kv
+
+
+def load(vid, running=0, capacity=4, batch_running=0, kv_free=250, kv_budget=1000, prefixes=()):
     return VerifierLoad(
-        vid, vid, capacity, running, capacity - 1, batch_running, kv_budget, kv_reserved, 4096
+        vid,
+        vid,
+        capacity,
+        running,
+        capacity - 1,
+        batch_running,
+        kv_budget,
+        kv_free,
+        block_size=4,
+        max_seq_len=4096,
+        prefixes=frozenset(prefixes),
     )
 
 
-def test_placement_prefers_the_sessions_verifier_then_the_least_loaded():
-    loads = [load("a", running=2, kv_reserved=600), load("b", running=1, kv_reserved=100)]
-    assert choose_verifier(loads, Want("interactive", 100, 100)).verifier_id == "b"
-    assert choose_verifier(loads, Want("interactive", 100, 100, "a")).verifier_id == "a"
-    # The session's verifier has no room for it: least loaded wins.
-    assert choose_verifier(loads, Want("interactive", 300, 200, "a")).verifier_id == "b"
-    assert choose_verifier(loads, Want("interactive", 900, 200)) is None
+def test_placement_prefers_the_longest_cached_prefix_then_the_session_then_load():
+    prompt = tokens(41)  # 10 full blocks before the last token
+    hashes = [prefix.short(h) for h in prefix.block_hashes(prompt[:40], 4, prefix.root(""))]
+    loads = [
+        load("a", running=2, kv_free=100),
+        load("b", running=1, kv_free=225, prefixes=hashes[:3]),
+        load("c", running=3, kv_free=50, prefixes=hashes[:6]),
+    ]
+    want = Want("interactive", len(prompt), 100, "a", prompt_ids=prompt)
+    assert choose_verifier(loads, want).verifier_id == "c"  # 6 blocks cached
+    assert loads[2].need(want) == 11 - 6
+    assert choose_verifier(loads[:2], want).verifier_id == "b"
+    other = Want("interactive", 41, 100, "a", prompt_ids=tokens(41, 7))  # no cached prefix
+    assert choose_verifier(loads, other).verifier_id == "a"  # its session's verifier
+    assert choose_verifier(loads, Want("interactive", 41, 100)).verifier_id == "b"  # most free
+    assert choose_verifier(loads, Want("interactive", 999, 1)) is None  # 250 blocks: no room
 
 
 def test_placement_respects_slots_and_the_batch_share():

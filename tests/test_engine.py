@@ -89,12 +89,16 @@ class NoDrafts(TargetDrafts):
         pass
 
 
-def make_engine(model, store, speculator=None, eos_ids=(), decode=None) -> Engine:
+def make_engine(
+    model, store, speculator=None, eos_ids=(), decode=None, kv_tokens=8192, block_size=16
+) -> Engine:
+    flat = FlatModel(model)
+    pool = flat.use_pool(kv_tokens, block_size, fixed=True)
     return Engine(
-        ModelRunner(FlatModel(model)),
+        ModelRunner(flat),
         speculator or NoDrafts(),
         store,
-        Admission(kv_budget=100_000, batch_size=8, interactive_reserved_slots=0),
+        Admission(pool, batch_size=8, interactive_reserved_slots=0),
         max_seq_len=2048,
         max_prefill_tokens=512,
         eos_ids=set(eos_ids),
@@ -110,7 +114,7 @@ def admit(engine: Engine, store: RequestStore, rid: str, prompt, max_tokens=12, 
     seq = make_sequence(prompt, max_tokens=max_tokens, rid=rid)
     for name, value in kw.items():
         setattr(seq, name, value)
-    grant = engine.admission.admit(rid, "interactive", len(prompt) + max_tokens)
+    grant = engine.admission.admit(rid, seq.queue, prompt)
     engine.admit(seq, grant)
     return seq
 
@@ -306,3 +310,57 @@ def test_max_tokens_inside_an_accepted_prefix(tiny_model, store, reference, max_
     assert seq.finish_reason == "FINISH_REASON_LENGTH"
     assert seq.output_ids == reference[:max_tokens]
     assert store.progress(f"len{max_tokens}") == reference[:max_tokens]
+
+
+def test_preempted_sequences_resume_with_the_same_tokens(tiny_model, store):
+    """Three sequences outgrow a 16-block pool: the step drops its drafts, then preempts, and
+    the preempted come back recomputed. Every output is still token-identical to `generate`,
+    with no index missing or repeated in what was written; the finals count the preemptions;
+    every block is back at the end."""
+    engine = make_engine(
+        tiny_model, store, TargetDrafts(tiny_model, depth=3), kv_tokens=64, block_size=4
+    )
+    seqs = [admit(engine, store, f"p{i}", p, max_tokens=30) for i, p in enumerate(PROMPTS)]
+    seqs[2].queue = "batch"
+    run(engine)
+    finals = {s.request_id: final_of(store, s.request_id) for s in seqs}
+    for seq, prompt in zip(seqs, PROMPTS, strict=True):
+        assert seq.output_ids == hf_greedy(tiny_model, prompt, 30), seq.request_id
+        assert store.progress(seq.request_id) == seq.output_ids
+        assert finals[seq.request_id]["usage"]["preemptions"] == seq.preemptions
+    assert sum(s.preemptions for s in seqs) > 0
+    assert seqs[2].preemptions >= max(s.preemptions for s in seqs[:2])  # batch class first
+    pool = engine.runner.model.pool
+    assert pool.available == pool.blocks and engine.admission.resuming == 0
+
+
+def test_a_sampled_sequence_draws_the_same_tokens_through_preemption(tiny_model, store):
+    outputs = []
+    for kv_tokens in (4096, 48):
+        engine = make_engine(tiny_model, store, kv_tokens=kv_tokens, block_size=4)
+        seqs = [
+            admit(engine, store, f"s{kv_tokens}-{i}", p, max_tokens=25)
+            for i, p in enumerate(PROMPTS)
+        ]
+        for i, seq in enumerate(seqs):
+            seq.params = SamplingParams(temperature=1.0, seed=i)
+            seq.generator = torch.Generator().manual_seed(i)
+        run(engine)
+        outputs.append(([s.output_ids for s in seqs], sum(s.preemptions for s in seqs)))
+    assert outputs[0][1] == 0 and outputs[1][1] > 0
+    assert outputs[1][0] == outputs[0][0]
+
+
+def test_a_prompt_sharing_a_prefix_reuses_its_blocks_without_a_session(tiny_model, store):
+    engine = make_engine(tiny_model, store, block_size=4)
+    system = [(7 * i) % 500 + 3 for i in range(41)]
+    first = admit(engine, store, "first", system + [11, 12], max_tokens=8)
+    run(engine)
+    second = admit(engine, store, "second", system + [13], max_tokens=8)
+    third = admit(engine, store, "third", system[:20] + [14, 15], max_tokens=8)
+    run(engine)
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == 40 and third.cached_tokens == 20
+    for seq in (first, second, third):
+        assert seq.output_ids == hf_greedy(tiny_model, seq.prompt_ids, 8), seq.request_id
+    assert final_of(store, "second")["usage"]["cached_prompt_tokens"] == 40

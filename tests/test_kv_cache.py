@@ -1,14 +1,16 @@
-"""The block pool: blocks taken as positions are written, given back, never leaked."""
+"""The block pool: blocks taken as positions are written, shared by prefix, given back, never
+leaked; a fixed pool refuses instead of growing."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from conftest import DEVICE
 from specserve.common.flat_model import FlatModel, Segment
-from specserve.common.kv_cache import KVPool, SequenceKV
+from specserve.common.kv_cache import KVPool, OutOfBlocks, SequenceKV
 
 
 def pool(blocks: int = 4, block_size: int = 4) -> KVPool:
@@ -32,7 +34,7 @@ def test_a_dropped_sequence_gives_its_blocks_back():
     kv.reserve(16)
     assert p.free_blocks == []
     del kv
-    assert sorted(p.free_blocks) == [0, 1, 2, 3]
+    assert p.take(4) and p.available == 0  # (given back at the pool's next call)
 
 
 def test_the_pool_grows_and_keeps_what_it_holds():
@@ -70,3 +72,69 @@ def test_random_sequences_leak_no_blocks(tiny_model):
     for kv in live:
         kv.free()
     assert len(flat.pool.free_blocks) == flat.pool.blocks >= total
+
+
+def test_a_fixed_pool_refuses_and_takes_nothing():
+    p = KVPool(2, 1, 2, torch.float32, DEVICE, block_size=4, blocks=3, fixed=True)
+    kv = SequenceKV(p)
+    kv.reserve(8)
+    with pytest.raises(OutOfBlocks, match="2 KV blocks asked for, 1 available"):
+        kv.reserve(16)
+    assert len(kv.table) == 2 and p.available == 1 and p.blocks == 3
+
+
+def test_a_sealed_block_is_never_rewritten():
+    """Truncating into a sealed (cached, maybe shared) block drops it from the sequence and
+    cuts the sequence to the block's start: those entries are computed again elsewhere."""
+    p = pool(blocks=8)
+    kv = SequenceKV(p)
+    kv.reserve(10)
+    kv.length = 10
+    kv.seal(list(range(10)))
+    sealed = kv.table[1]
+    kv.truncate(6)
+    assert kv.length == 4 and kv.table == kv.table[:1] and len(kv.hashes) == 1
+    assert p.cached == 2 and sealed in p.evictable  # still cached, for whoever needs it
+
+
+def test_a_thousand_random_tree_steps_leak_no_blocks(tiny_model):
+    """Sequences (some sharing a prefix) verify random draft trees and keep random accepted
+    paths for 1,000 steps: after each, every sequence holds exactly the blocks its entries fill
+    (the tree's scratch is back), the pool counts every held block once; at the end every
+    block is free or cached, none referenced."""
+    flat = FlatModel(tiny_model)
+    p = flat.use_pool(4096, 4, fixed=True)
+    rng = random.Random(0)
+    system = [rng.randrange(100) for _ in range(10)]
+    live: list[tuple[SequenceKV, list[int]]] = []
+    for _ in range(1000):
+        if live and (rng.random() < 0.05 or len(live) > 6):
+            live.pop(rng.randrange(len(live)))[0].free()
+        if not live or rng.random() < 0.1:
+            ids = system + [rng.randrange(100) for _ in range(rng.randint(1, 6))]
+            kv = SequenceKV(p)
+            kv.reuse(ids)
+            live.append((kv, ids[: kv.length]))
+            pending = {id(kv): ids[kv.length :]}
+        segments, trees = [], []
+        for kv, _ in live:
+            feed = pending.get(id(kv)) or [rng.randrange(100)]
+            tree = [rng.randrange(100) for _ in range(rng.randint(0, 9))]
+            segments.append(Segment(kv, feed + tree))
+            trees.append((feed, tree))
+        pending = {}
+        flat.forward(segments)
+        for (kv, ids), (feed, tree) in zip(live, trees, strict=True):
+            start = kv.length - len(tree)
+            path = sorted(rng.sample(range(len(tree)), rng.randint(0, len(tree))))
+            kv.keep(start, path)
+            ids.extend(feed + [tree[i] for i in path])
+            kv.seal(ids)
+            assert len(kv.table) == -(-kv.length // p.block_size)
+        held = {block for kv, _ in live for block in kv.table}
+        assert p.used == len(held)
+        assert all(p.refs[b] == sum(b in kv.table for kv, _ in live) for b in held)
+    for kv, _ in live:
+        kv.free()
+    assert p.available == p.blocks and not any(p.refs)
+    assert p.hits > 0  # the shared system prompt was reused

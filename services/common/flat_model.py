@@ -23,14 +23,22 @@ import torch
 from .attention import attend, write_kv
 from .batch import Batch, Segment
 from .compiler import CompileFailed, Compiler
-from .kv_cache import BLOCK_SIZE, KVPool, SequenceKV
+from .kv_cache import BLOCK_SIZE, KVPool, OutOfBlocks, SequenceKV
 from .settings import ConfigError
 
 log = logging.getLogger(__name__)
 
 SUPPORTED = {"qwen2", "llama"}
 
-__all__ = ["CompileFailed", "Compiler", "FlatModel", "Segment", "SequenceKV", "UnsupportedModel"]
+__all__ = [
+    "CompileFailed",
+    "Compiler",
+    "FlatModel",
+    "OutOfBlocks",
+    "Segment",
+    "SequenceKV",
+    "UnsupportedModel",
+]
 
 
 class UnsupportedModel(ValueError):
@@ -68,15 +76,7 @@ class FlatModel:
         )
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.pool = KVPool(
-            len(self.layers),
-            self.kv_heads,
-            self.head_dim,
-            self.dtype,
-            self.device,
-            block_size=block_size,
-            blocks=max(1, -(-kv_tokens // block_size)),
-        )
+        self.use_pool(kv_tokens, block_size)
 
         self.compiler = compiler
         self.front, self.back = self._front, self._back
@@ -128,6 +128,25 @@ class FlatModel:
         finally:
             kv.free()
         return time.perf_counter() - started
+
+    def use_pool(
+        self, tokens: int, block_size: int, *, fixed: bool = False, model_version: str = ""
+    ) -> KVPool:
+        """A new, empty KV pool of `tokens` (whole blocks) for this model's sequences: fixed in
+        size, or growing as sequences need; its prefix hashes are rooted in `model_version`.
+        Sequences of the pool before are no longer valid."""
+        self.pool = KVPool(
+            len(self.layers),
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+            block_size=block_size,
+            blocks=max(1, -(-tokens // block_size)),
+            fixed=fixed,
+            model_version=model_version,
+        )
+        return self.pool
 
     def new_kv(self) -> SequenceKV:
         """An empty KV for one sequence, in this model's pool."""

@@ -4,21 +4,38 @@ The pool holds, per layer, keys and values for `blocks * block_size` slots; slot
 `block * block_size + offset` is one token's entry. A sequence's entries live in the blocks
 its table lists, in order, so position p is at slot table[p // block_size] * block_size +
 p % block_size. Growing a sequence takes more blocks (nothing is copied); rolling it back is
-setting its length; keeping an accepted draft path copies its few entries down.
+setting its length; keeping an accepted draft path copies its few entries down and gives the
+blocks the rest of the tree used back.
 
-Only the thread that runs forward passes takes blocks; a sequence's blocks go back to the pool
-when it is freed or garbage collected, from any thread (list appends are atomic).
+Automatic prefix caching: once a block is full of committed entries it is sealed under its
+chained prefix hash (prefix.py) and becomes shareable: another sequence whose tokens hash the
+same takes it over by reference instead of computing it. Blocks are reference-counted; a sealed
+block nobody references stays cached, and the least recently released of those are evicted
+first when blocks are taken. A sealed block is never written again.
+
+A pool is either fixed (the verifier's: its size is the KV budget, and running out raises
+OutOfBlocks for the caller to handle) or grows by doubling (the drafter's and the tools').
+Every method is thread-safe; a sequence garbage collected unfreed gives its blocks back at the
+pool's next call.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 
 import torch
+
+from . import prefix
 
 log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16
+
+
+class OutOfBlocks(RuntimeError):
+    """A fixed pool has too few free blocks for what was asked."""
 
 
 class KVPool:
@@ -38,14 +55,25 @@ class KVPool:
         *,
         block_size: int = BLOCK_SIZE,
         blocks: int = 256,
+        fixed: bool = False,
+        model_version: str = "",
     ):
         if block_size < 1 or blocks < 1:
             raise ValueError(f"block_size ({block_size}) and blocks ({blocks}) must be >= 1")
         self.block_size = block_size
+        self.fixed = fixed
+        self.root = prefix.root(model_version)  # the parent hash of every first block
         shape = (layers, blocks * block_size, kv_heads, head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.free_blocks: list[int] = list(range(blocks - 1, -1, -1))  # popped from the end
+        self.refs = [0] * blocks  # sequences holding each block
+        self.hash_of: dict[int, int] = {}  # sealed block -> its prefix hash
+        self.by_hash: dict[int, int] = {}  # prefix hash -> sealed block
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # sealed, unreferenced; LRU first
+        self.hits = 0  # blocks handed out from the cache (tokens = hits * block_size)
+        self._orphans: list[list[int]] = []  # tables of sequences collected unfreed
+        self._lock = threading.Lock()
 
     @property
     def blocks(self) -> int:
@@ -55,20 +83,106 @@ class KVPool:
     def tokens(self) -> int:
         return self.keys.shape[1]
 
-    def grow_to(self, tokens: int) -> None:
-        """Makes room for at least `tokens` entries in all (allocated now, not as they fill)."""
-        more = -(-tokens // self.block_size) - self.blocks
-        if more > 0:
-            self._grow(more)
+    @property
+    def available(self) -> int:
+        """Blocks that can be taken now: free ones and cached ones nobody references."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def used(self) -> int:
+        """Blocks some sequence holds."""
+        return self.blocks - self.available
+
+    @property
+    def cached(self) -> int:
+        """Sealed blocks (held or not): the prefix cache."""
+        return len(self.hash_of)
 
     def take(self, count: int) -> list[int]:
-        """`count` free blocks; the pool grows (doubling) when too few are free."""
-        if len(self.free_blocks) < count:
-            self._grow(max(self.blocks, count))
-        return [self.free_blocks.pop() for _ in range(count)]
+        """`count` blocks for one sequence: free ones first, then the least recently used
+        cached ones (evicted). A growing pool grows when too few are available; a fixed one
+        raises OutOfBlocks and takes none."""
+        with self._lock:
+            self._collect()
+            if self.available < count:
+                if self.fixed:
+                    raise OutOfBlocks(f"{count} KV blocks asked for, {self.available} available")
+                self._grow(max(self.blocks, count))
+            taken = []
+            for _ in range(count):
+                if self.free_blocks:
+                    block = self.free_blocks.pop()
+                else:
+                    block, _ = self.evictable.popitem(last=False)
+                    del self.by_hash[self.hash_of.pop(block)]
+                self.refs[block] = 1
+                taken.append(block)
+            return taken
 
-    def give_back(self, blocks: list[int]) -> None:
-        self.free_blocks.extend(blocks)
+    def release(self, blocks: list[int]) -> None:
+        """One reference less on each block; an unreferenced block is free again, or stays
+        cached (evictable, most recently used last) if it is sealed."""
+        with self._lock:
+            self._release(blocks)
+
+    def seal(self, block: int, h: int) -> bool:
+        """Caches a full block under its prefix hash; False (and not cached) if another block
+        holds that prefix already."""
+        with self._lock:
+            if h in self.by_hash or block in self.hash_of:
+                return False
+            self.hash_of[block], self.by_hash[h] = h, block
+            return True
+
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """The cached blocks of the longest run of `hashes` from the first, each now referenced
+        once more by the caller (who gives them back with release)."""
+        with self._lock:
+            found = []
+            for h in hashes:
+                block = self.by_hash.get(h)
+                if block is None:
+                    break
+                self.evictable.pop(block, None)
+                self.refs[block] += 1
+                found.append(block)
+            self.hits += len(found)
+            return found
+
+    def summary(self, limit: int) -> list[str]:
+        """Short hashes (prefix.short) of up to `limit` cached blocks: those in use, then the
+        most recently used of the rest."""
+        with self._lock:
+            held = [h for b, h in self.hash_of.items() if self.refs[b]]
+            idle = [self.hash_of[b] for b in reversed(self.evictable)]
+            return [prefix.short(h) for h in (held + idle)[:limit]]
+
+    def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        """[end - start] int64 (on the host): the slots of positions start..end-1 of a
+        sequence whose block table is `table`."""
+        size = self.block_size
+        first, last = start // size, (end + size - 1) // size
+        blocks = torch.tensor(table[first:last], dtype=torch.long)
+        slots = (blocks[:, None] * size + torch.arange(size)).flatten()
+        return slots[start - first * size : end - first * size]
+
+    def orphaned(self, table: list[int]) -> None:
+        """A sequence was collected without being freed: its blocks go back at the next call
+        (not now: the collector may run inside one of this pool's calls)."""
+        self._orphans.append(table)  # (list appends are atomic)
+
+    def _collect(self) -> None:
+        while self._orphans:
+            self._release(self._orphans.pop())
+
+    def _release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if block in self.hash_of:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
 
     @torch.inference_mode()
     def _grow(self, more: int) -> None:
@@ -81,51 +195,86 @@ class KVPool:
             )
             grown[:, : tensor.shape[1]] = tensor  # only what was there is copied (touched)
             setattr(self, name, grown)
+        self.refs.extend([0] * more)
         self.free_blocks[:0] = range(old + more - 1, old - 1, -1)  # the new ones are taken last
-
-    def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
-        """[end - start] int64 (on the host): the slots of positions start..end-1 of a
-        sequence whose block table is `table`."""
-        size = self.block_size
-        first, last = start // size, (end + size - 1) // size
-        blocks = torch.tensor(table[first:last], dtype=torch.long)
-        slots = (blocks[:, None] * size + torch.arange(size)).flatten()
-        return slots[start - first * size : end - first * size]
 
 
 class SequenceKV:
     """One sequence's KV entries in a pool: positions 0..length-1 hold valid entries.
 
-    `limit` is the sequence's reservation in tokens (admission's rule); blocks are taken as
-    positions are written, never more than the positions need."""
+    The first len(hashes) blocks of the table are sealed (cached, perhaps shared): their
+    entries are committed and never rewritten. Blocks are taken as positions are written."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool
         self.table: list[int] = []  # block ids, in position order
+        self.hashes: list[int] = []  # prefix hashes of the sealed blocks table[:len(hashes)]
         self.length = 0
-        self.limit: int | None = None
 
     @property
     def capacity(self) -> int:
         """Tokens the sequence's blocks hold."""
         return len(self.table) * self.pool.block_size
 
+    def missing(self, needed: int) -> int:
+        """Blocks to take so that `needed` positions fit."""
+        return max(0, -(-needed // self.pool.block_size) - len(self.table))
+
     def reserve(self, needed: int) -> None:
-        """Takes blocks so that `needed` positions fit."""
-        missing = -(-needed // self.pool.block_size) - len(self.table)
-        if missing > 0:
+        """Takes blocks so that `needed` positions fit (a fixed pool may raise OutOfBlocks)."""
+        if missing := self.missing(needed):
             self.table.extend(self.pool.take(missing))
+
+    def reuse(self, token_ids: list[int]) -> int:
+        """Starts an empty sequence with the cached blocks of the longest cached prefix of
+        `token_ids` (all but the last token: that one must be computed, for its logits).
+        Returns how many tokens it reused."""
+        if self.table:
+            raise ValueError("reuse starts an empty sequence")
+        size = self.pool.block_size
+        hashes = prefix.block_hashes(token_ids[: len(token_ids) - 1], size, self.pool.root)
+        self.table = self.pool.lookup(hashes)
+        self.hashes = hashes[: len(self.table)]
+        self.length = len(self.table) * size
+        return self.length
+
+    def seal(self, token_ids: list[int]) -> None:
+        """Caches the blocks that are full of committed entries; `token_ids` are the tokens of
+        positions 0..length-1 (at least)."""
+        size = self.pool.block_size
+        parent = self.hashes[-1] if self.hashes else self.pool.root
+        for index in range(len(self.hashes), self.length // size):
+            parent = prefix.chain(parent, token_ids[index * size : (index + 1) * size])
+            self.pool.seal(self.table[index], parent)
+            self.hashes.append(parent)
 
     def slots(self, start: int, end: int) -> torch.Tensor:
         """[end - start] slots of positions start..end-1 (host tensor)."""
         return self.pool.slots(self.table, start, end)
 
     def truncate(self, length: int) -> None:
+        """Forgets the entries from `length` on. Sealed blocks are never rewritten: one that
+        the cut reaches is dropped from the sequence (it stays cached), and the sequence is cut
+        to its start (those entries are computed again, into a block of its own)."""
         self.length = min(self.length, length)
+        keep = self.length // self.pool.block_size
+        if keep < len(self.hashes):
+            dropped, self.table = self.table[keep:], self.table[:keep]
+            self.hashes = self.hashes[:keep]
+            self.length = keep * self.pool.block_size
+            self.pool.release(dropped)
+
+    def trim(self) -> None:
+        """Gives back the blocks past the last entry (a draft tree's scratch)."""
+        keep = -(-self.length // self.pool.block_size)
+        if len(self.table) > keep:
+            spare, self.table = self.table[keep:], self.table[:keep]
+            self.pool.release(spare)
 
     @torch.inference_mode()
     def keep(self, start: int, offsets: list[int]) -> None:
-        """Keeps entries start+offsets[i] at start+i and drops everything after them.
+        """Keeps entries start+offsets[i] at start+i, drops everything after them and gives
+        back the blocks only they used.
 
         Used after tree verification: the accepted path's nodes move next to the prefix."""
         if offsets != list(range(len(offsets))):
@@ -134,12 +283,13 @@ class SequenceKV:
             for tensor in (self.pool.keys, self.pool.values):
                 tensor[:, dst] = tensor[:, src]
         self.length = start + len(offsets)
+        self.trim()
 
     def free(self) -> None:
-        """Gives the blocks back; the sequence holds nothing after this."""
-        table, self.table, self.length = self.table, [], 0
-        self.pool.give_back(table)
+        """Gives the blocks back (sealed ones stay cached); the sequence holds nothing after."""
+        table, self.table, self.hashes, self.length = self.table, [], [], 0
+        self.pool.release(table)
 
     def __del__(self) -> None:
         if self.table:
-            self.pool.give_back(self.table)
+            self.pool.orphaned(self.table)

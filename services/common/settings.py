@@ -298,8 +298,24 @@ class VerifierSettings(ServiceSettings):
     kv_memory_fraction: float = Field(
         default=0.3, gt=0, le=0.95, description="Share of free memory at start the KV may use."
     )
+    kv_block_size: int = Field(
+        default=16, ge=1, le=1024, description="Tokens per KV block (the unit of KV memory)."
+    )
+    kv_watermark: float = Field(
+        default=0.01,
+        ge=0,
+        lt=1,
+        description="Share of the KV blocks admission keeps free for running sequences to grow.",
+    )
     prefix_cache: bool = Field(
-        default=True, description="Keep a finished session's KV for its next turn."
+        default=True,
+        description="Share full KV blocks between requests with the same prefix (any request, "
+        "no session needed); unreferenced ones stay cached and are evicted LRU.",
+    )
+    prefix_summary_blocks: int = Field(
+        default=1024,
+        ge=0,
+        description="Cached block hashes the heartbeat publishes for prefix-aware placement.",
     )
     torch_threads: int = Field(default=0, ge=0, description="0 = torch's default.")
     speculative_decoding: bool = Field(

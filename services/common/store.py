@@ -18,14 +18,16 @@ Keys (prefix `specserve:`):
                          to place ahead of their class
   queued:{class}  int    requests of the class with status queued (the queue length limit)
   verifier:{id}   hash   address, incarnation, model, version, pool, config, capacity,
-                         running, batch_capacity, batch_running, kv_budget, kv_reserved,
-                         kv_cached, max_seq_len, request_ids (comma list of the requests it
-                         runs) and listed_ms (when it listed them) (expires without heartbeats)
+                         running, batch_capacity, batch_running, kv_budget (tokens),
+                         block_size, kv_blocks, kv_used, kv_cached, kv_free (blocks),
+                         prefixes (comma list of short hashes of its cached blocks),
+                         max_seq_len, request_ids (comma list of the requests it runs) and
+                         listed_ms (when it listed them) (expires without heartbeats)
   verifiers       set    registered verifier ids
   drafter:{id}    hash   address, proposer, pool (expires without heartbeats)
   drafters        set    registered drafter ids
   result:{hash}   hash   ids, final (JSON) of a finished deterministic request (result cache, TTL)
-  session:{sid}   string id of the verifier whose prefix cache holds the session's last turn
+  session:{sid}   string id of the verifier the session's last turn finished on (a hint)
   rollout         hash   canary_share (of new requests placed on the canary pool),
                          previous_share, updated_ms
 
@@ -682,13 +684,18 @@ class RequestStore:
         resp = self.r.xread({out_key(rid): last_id}, block=block_ms, count=64)
         return [entry for _, entries in resp for entry in entries]
 
-    def largest_verifier(self) -> tuple[int, int] | None:
-        """(kv_budget, max_seq_len) of the live verifier with the largest KV budget."""
+    def largest_verifier(self) -> tuple[int, int, int] | None:
+        """(kv_budget, max_seq_len, block_size) of the live verifier with the largest KV
+        budget."""
         rows = [v for v in self.live_verifiers() if "kv_budget" in v]
         if not rows:
             return None
         best = max(rows, key=lambda v: int(v["kv_budget"]))
-        return int(best["kv_budget"]), int(best.get("max_seq_len", 0))
+        return (
+            int(best["kv_budget"]),
+            int(best.get("max_seq_len", 0)),
+            int(best.get("block_size", 1)),
+        )
 
     def cached_result(self, key: str) -> tuple[list[int], dict[str, Any]] | None:
         """A result cache entry: (token ids, FinalInfo JSON), or None."""

@@ -85,7 +85,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             max_stop_strings=settings.max_stop_strings,
             max_stop_length=settings.max_stop_length,
         )
-        self._largest: tuple[float, tuple[int, int] | None] = (0.0, None)
+        self._largest: tuple[float, tuple[int, int, int] | None] = (0.0, None)
         self.keys = KeyStore(store.r)
         self.draining = False  # set on SIGTERM: streams cut by the drain are not cancellations
         self.audit = Audit(store.r, settings.audit_max_entries)
@@ -276,7 +276,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         remaining = context.time_remaining()
         return min(self.settings.timeout_seconds, remaining or self.settings.timeout_seconds)
 
-    def _largest_verifier(self) -> tuple[int, int] | None:
+    def _largest_verifier(self) -> tuple[int, int, int] | None:
         fetched, largest = self._largest
         if time.monotonic() - fetched > REGISTRY_TTL_SECONDS:
             try:

@@ -105,9 +105,10 @@ def check_prompt_length(n_tokens: int, limits: Limits) -> None:
         )
 
 
-def check_fits(prompt_tokens: int, max_tokens: int, largest: tuple[int, int] | None) -> None:
-    """A request must fit the KV budget of some verifier: `largest` is (budget, max_seq_len) of
-    the verifier with the largest budget (None: none registered yet; the request may wait)."""
+def check_fits(prompt_tokens: int, max_tokens: int, largest: tuple[int, int, int] | None) -> None:
+    """A request must fit the KV budget of some verifier: `largest` is (budget, max_seq_len,
+    block_size) of the verifier with the largest budget (None: none registered yet; the
+    request may wait)."""
     if largest is None:
         return
     if problem := kv_fit_problem(prompt_tokens, max_tokens, *largest):

@@ -32,7 +32,11 @@ PARKED = Gauge(
 )
 SESSION_HITS = Counter(
     "specserve_scheduler_session_affinity_total",
-    "Requests placed on the verifier holding their session's prefix.",
+    "Requests placed on the verifier their session's last turn ran on.",
+)
+PREFIX_PLACED = Counter(
+    "specserve_scheduler_prefix_placed_total",
+    "Requests placed on a verifier that holds cached blocks of their prompt.",
 )
 QUEUE_DEPTH = Gauge("specserve_scheduler_queue_depth", "Requests waiting.", ["priority"])
 QUEUE_WAIT = Histogram(

@@ -4,9 +4,10 @@ Pure functions, no I/O."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..common.capacity import kv_need
+from ..common import prefix
+from ..common.capacity import admission_blocks, kv_fit_problem
 
 
 @dataclass
@@ -19,45 +20,61 @@ class VerifierLoad:
     running: int
     batch_capacity: int = 0
     batch_running: int = 0
-    kv_budget: int = 0
-    kv_reserved: int = 0
+    kv_budget: int = 0  # tokens: kv_blocks * block_size
+    kv_free: int = 0  # blocks it admits into now (free, less its watermark)
+    block_size: int = 1
     max_seq_len: int = 0
     pool: str = "stable"
     version: str = ""  # the model version it serves (models.served_version)
+    prefixes: frozenset[str] = frozenset()  # short hashes of its cached blocks (prefix.short)
 
-    @property
-    def free_kv(self) -> int:
-        return self.kv_budget - self.kv_reserved
+    def need(self, want: Want) -> int:
+        """Blocks the verifier takes to admit the request, less those it has cached."""
+        return admission_blocks(want.prompt_tokens, self.cached_blocks(want), self.block_size)
 
-    def need(self, prompt_tokens: int, max_tokens: int) -> int:
-        """KV tokens the verifier reserves for such a request."""
-        return kv_need(prompt_tokens, max_tokens, self.max_seq_len)
+    def cached_blocks(self, want: Want) -> int:
+        """How many leading blocks of the request's prompt the verifier holds cached."""
+        if not self.prefixes or not want.prompt_ids:
+            return 0
+        return prefix.cached_blocks(want.hashes(self.version, self.block_size), self.prefixes)
 
-    def fits(self, priority: str, kv_tokens: int) -> bool:
-        if self.running >= self.capacity or kv_tokens > self.free_kv:
+    def fits(self, want: Want) -> bool:
+        if self.running >= self.capacity or self.need(want) > self.kv_free:
             return False
-        return priority != "batch" or self.batch_running < self.batch_capacity
+        return want.priority != "batch" or self.batch_running < self.batch_capacity
 
     def could_ever_hold(self, want: Want) -> bool:
-        return self.need(want.prompt_tokens, want.max_tokens) <= self.kv_budget
+        """Whether the request, alone, fits its worst case (prompt + max_tokens)."""
+        return (
+            kv_fit_problem(
+                want.prompt_tokens,
+                want.max_tokens,
+                self.kv_budget,
+                self.max_seq_len,
+                self.block_size,
+            )
+            is None
+        )
 
-    def take(self, priority: str, kv_tokens: int) -> None:
+    def take(self, want: Want) -> None:
+        self.kv_free -= self.need(want)
         self.running += 1
-        self.batch_running += priority == "batch"
-        self.kv_reserved += kv_tokens
+        self.batch_running += want.priority == "batch"
 
 
 def parse_verifiers(rows: list[dict[str, str]]) -> list[VerifierLoad]:
-    fields = ("running", "batch_capacity", "batch_running", "kv_budget", "kv_reserved")
+    fields = ("running", "batch_capacity", "batch_running", "kv_budget", "kv_free")
     return [
         VerifierLoad(
             r["id"],
             r["address"],
             int(r.get("capacity", 0)),
             **{f: int(r.get(f, 0)) for f in fields},
+            block_size=int(r.get("block_size", 1)),
             max_seq_len=int(r.get("max_seq_len", 0)),
             pool=r.get("pool", "stable"),
             version=r.get("version", ""),
+            prefixes=frozenset(filter(None, r.get("prefixes", "").split(","))),
         )
         for r in rows
         if "address" in r and r.get("draining") != "1"
@@ -71,9 +88,11 @@ class Want:
     priority: str
     prompt_tokens: int
     max_tokens: int
-    session_owner: str | None = None  # verifier holding the session's cached prefix
+    session_owner: str | None = None  # verifier its session's last turn ran on (a hint)
     pool: str | None = None  # only verifiers of this rollout pool
     version: str | None = None  # only verifiers of this model version (it started there)
+    prompt_ids: list[int] | None = None  # hashed for prefix-aware placement (None: not)
+    _hashes: dict[tuple[str, int], list[int]] = field(default_factory=dict, repr=False)
 
     def eligible(self, loads: list[VerifierLoad]) -> list[VerifierLoad]:
         """The verifiers of the pool and version asked for."""
@@ -81,22 +100,33 @@ class Want:
             v for v in loads if self.pool in (None, v.pool) and self.version in (None, v.version)
         ]
 
+    def hashes(self, version: str, block_size: int) -> list[int]:
+        """The prefix hashes of the prompt's blocks under `version` (computed once each), as
+        a verifier's admission looks them up (all but the last prompt token)."""
+        key = (version, block_size)
+        if key not in self._hashes:
+            ids = self.prompt_ids or []
+            self._hashes[key] = prefix.block_hashes(
+                ids[: len(ids) - 1], block_size, prefix.root(version)
+            )
+        return self._hashes[key]
+
 
 def choose_verifier(loads: list[VerifierLoad], want: Want) -> VerifierLoad | None:
-    """Among the eligible verifiers (pool, version): the session's verifier if it holds the
-    session's prefix and the request fits there; else the least loaded that fits: most free
-    KV budget (as a share), then fewest running. None if it fits nowhere now."""
-    fitting = [
-        v
-        for v in want.eligible(loads)
-        if v.fits(want.priority, v.need(want.prompt_tokens, want.max_tokens))
-    ]
+    """Among the eligible verifiers (pool, version) that have room for the request: the one
+    holding the longest cached prefix of its prompt; with none, the session's verifier; else
+    the least loaded: most free KV blocks (as a share), then fewest running. None if it fits
+    nowhere now."""
+    fitting = [v for v in want.eligible(loads) if v.fits(want)]
+    if not fitting:
+        return None
+    cached = max(fitting, key=lambda v: v.cached_blocks(want))
+    if cached.cached_blocks(want):
+        return cached
     for v in fitting:
         if v.verifier_id == want.session_owner:
             return v
-    if not fitting:
-        return None
-    return max(fitting, key=lambda v: (v.free_kv / max(1, v.kv_budget), -v.running))
+    return max(fitting, key=lambda v: (v.kv_free * v.block_size / max(1, v.kv_budget), -v.running))
 
 
 def class_order(streak: int, burst: int, batch_waiting: bool) -> tuple[str, ...]:

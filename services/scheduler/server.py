@@ -362,6 +362,7 @@ class Placer:
                 len(spec["prompt_ids"]),
                 int(spec["max_tokens"]),
                 self.store.session_owner(session) if session else None,
+                prompt_ids=spec["prompt_ids"],
             )
             self._pin(want, rec, {v.pool for v in loads})
             eligible = want.eligible(loads)
@@ -395,7 +396,8 @@ class Placer:
                 )
                 queued.set_attributes({"class": cls, "requeues": rec.requeues})
                 queued.end()
-                target.take(cls, target.need(want.prompt_tokens, want.max_tokens))
+                metrics.PREFIX_PLACED.inc(target.cached_blocks(want) > 0)
+                target.take(want)
                 if self.held is not None and (tenant := spec.get("tenant", "")):
                     self.held[tenant] += 1
                 metrics.PLACED.labels(cls, target.pool).inc()
@@ -454,6 +456,7 @@ class Placer:
             int(rec.spec["max_tokens"]),
             largest.kv_budget,
             largest.max_seq_len,
+            largest.block_size,
         )
         self._end(rec, cls, why)
 

@@ -1,43 +1,38 @@
-"""Admission on a verifier: batch slots per class, the KV token budget, and the prefix cache.
+"""Admission on a verifier: batch slots per class, and the KV blocks a sequence starts with.
 
-Every sequence reserves, when it is admitted, the most KV entries it can ever hold
-(`capacity.kv_need`: min(prompt + max_tokens, max_seq_len) tokens). Its buffer never grows past
-that reservation, so the reservations, plus the buffers kept by the prefix cache, bound the KV
-memory: admission never overcommits the budget.
+A sequence is admitted when the blocks of its tokens (its prompt, or prompt and output for a
+request taken over) are free, less those cached blocks with the same prefix supply
+(`capacity.admission_blocks`). It takes them at once, so its prefill never waits for room,
+and takes more one at a time as it generates. Admission keeps `watermark` blocks free for that
+growth while other sequences run. When blocks still run out mid-generation the engine preempts
+(engine.py, "Preemption"); while preempted sequences wait to resume, no new one is admitted, so
+they come back first.
 
-The prefix cache keeps the KV buffer of a finished session turn under its session id, in budget
-that no running sequence reserved; admissions evict the least recently stored entries when they
-need the room. The next turn of that session takes the buffer over and computes only the part of
-its prompt that differs. All methods are thread-safe (RPC threads admit, the loop releases).
+Nothing is reserved for the worst case: a long max_tokens costs nothing until it is generated.
+All methods are thread-safe (RPC threads admit, the loop releases).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..common.flat_model import FlatModel, SequenceKV
-
-
-@dataclass
-class CachedPrefix:
-    """A finished turn's KV: kv holds the entries of token_ids."""
-
-    token_ids: list[int]
-    kv: SequenceKV
+from ..common.capacity import admission_blocks
+from ..common.flat_model import FlatModel, OutOfBlocks, SequenceKV
+from ..common.kv_cache import KVPool
 
 
 @dataclass
 class Grant:
-    """An admitted sequence's reservation; `prefix` is its session's cached KV, if any."""
+    """An admitted sequence's start: `kv` holds blocks for its tokens, the first
+    `cached_tokens` of them taken over from the prefix cache."""
 
-    tokens: int
+    kv: SequenceKV
     priority: str
-    prefix: CachedPrefix | None = None
+    cached_tokens: int = 0
 
 
 class Refused(Exception):
@@ -45,22 +40,42 @@ class Refused(Exception):
 
 
 class Admission:
-    def __init__(self, kv_budget: int, batch_size: int, interactive_reserved_slots: int):
-        self.kv_budget = kv_budget
+    def __init__(
+        self,
+        pool: KVPool,
+        batch_size: int,
+        interactive_reserved_slots: int,
+        *,
+        watermark_blocks: int = 0,
+        prefix_cache: bool = True,
+    ):
+        self.pool = pool
         self.batch_size = batch_size
         self.batch_slots = batch_size - interactive_reserved_slots
+        self.watermark_blocks = watermark_blocks
+        self.prefix_cache = prefix_cache
+        self.resuming = 0  # preempted sequences waiting for room (set by the engine's loop)
         self._grants: dict[str, Grant] = {}
-        self._cache: OrderedDict[str, CachedPrefix] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
+
+    @property
+    def kv_budget(self) -> int:
+        """The pool's size in tokens (whole blocks)."""
+        return self.pool.tokens
 
     # --- what the registry and Status report ------------------------------------------------
     def load(self) -> dict[str, int]:
+        """Slots taken, and the pool in blocks: held by sequences, cached (sealed), and free
+        for admission (available less the watermark)."""
         with self._lock:
             return {
                 "running": len(self._grants),
                 "batch_running": self._batch_running(),
-                "kv_reserved": self._reserved(),
-                "kv_cached": self._cached(),
+                "block_size": self.pool.block_size,
+                "kv_blocks": self.pool.blocks,
+                "kv_used": self.pool.used,
+                "kv_cached": self.pool.cached,
+                "kv_free": max(0, self.pool.available - self.watermark_blocks),
             }
 
     def holds(self, rid: str) -> bool:
@@ -68,10 +83,10 @@ class Admission:
             return rid in self._grants
 
     # --- admission --------------------------------------------------------------------------
-    def admit(self, rid: str, priority: str, tokens: int, session_id: str = "") -> Grant | None:
-        """Reserves a slot and `tokens` KV entries, evicting cached prefixes if needed; takes
-        the session's cached prefix. None if `rid` holds a reservation already (an admission
-        of it is done or under way). Raises Refused if it does not fit now."""
+    def admit(self, rid: str, priority: str, token_ids: list[int]) -> Grant | None:
+        """Takes a slot and the blocks of `token_ids` (cached ones by reference). None if `rid`
+        holds a grant already (an admission of it is done or under way). Raises Refused if it
+        does not fit now."""
         with self._lock:
             if rid in self._grants:
                 return None
@@ -79,42 +94,31 @@ class Admission:
                 raise Refused("the batch is full")
             if priority == "batch" and self._batch_running() >= self.batch_slots:
                 raise Refused("the batch-class slots are full")
-            prefix = self._cache.pop(session_id, None) if session_id else None
-            if prefix is not None:
-                tokens = max(tokens, prefix.kv.capacity)  # its buffer is the sequence's now
-            free = self.kv_budget - self._reserved()
-            if tokens > free:
-                if prefix is not None:
-                    self._cache[session_id] = prefix
-                raise Refused(f"needs {tokens} KV tokens, {free} are free")
-            while self._cached() > free - tokens:
-                self._cache.popitem(last=False)
-            grant = Grant(tokens, priority, prefix)
+            if self.resuming:
+                raise Refused(f"{self.resuming} preempted sequences wait for KV room first")
+            kv = SequenceKV(self.pool)
+            cached = kv.reuse(token_ids) if self.prefix_cache else 0
+            size = self.pool.block_size
+            need = admission_blocks(len(token_ids), len(kv.table), size)
+            free = self.pool.available - (self.watermark_blocks if self._grants else 0)
+            try:
+                if need > free:
+                    raise Refused(f"needs {need} KV blocks of {size} tokens, {free} are free")
+                kv.reserve(len(token_ids) + 1)
+            except OutOfBlocks as e:  # the loop took blocks meanwhile
+                kv.free()
+                raise Refused(str(e)) from e
+            except Refused:
+                kv.free()
+                raise
+            grant = Grant(kv, priority, cached)
             self._grants[rid] = grant
             return grant
 
-    def release(self, rid: str, session_id: str = "", prefix: CachedPrefix | None = None) -> bool:
-        """Frees a sequence's reservation; keeps `prefix` (which its caller no longer uses) for
-        its session if it fits in budget nobody reserved. Returns True if it was kept."""
+    def release(self, rid: str) -> None:
+        """Frees a sequence's slot (its blocks go back with its KV: SequenceKV.free)."""
         with self._lock:
             self._grants.pop(rid, None)
-            if prefix is None or not session_id:
-                return False
-            self._cache.pop(session_id, None)
-            size = prefix.kv.capacity
-            free = self.kv_budget - self._reserved()
-            if size > free:
-                return False
-            while self._cached() + size > free:
-                self._cache.popitem(last=False)
-            self._cache[session_id] = prefix
-            return True
-
-    def _reserved(self) -> int:
-        return sum(g.tokens for g in self._grants.values())
-
-    def _cached(self) -> int:
-        return sum(p.kv.capacity for p in self._cache.values())
 
     def _batch_running(self) -> int:
         return sum(g.priority == "batch" for g in self._grants.values())

@@ -6,6 +6,9 @@ request this verifier lost (requeued while it was thought dead) is dropped, not 
 Continuous batching: sequences join and leave at every step. A prompt is prefilled in chunks
 of at most `max_prefill_tokens` per step (interactive prompts first), in the same forward pass
 as the running sequences' decode steps, so a long prompt never stalls them.
+KV memory is blocks (admission.py): a sequence holds what its tokens fill, and full blocks are
+shared by prefix. A step that needs more blocks than are free drops its drafts, then preempts
+(preemption.py); preempted sequences resume first, recomputed, once their blocks are free.
 A sequence more than `max_unread_tokens` ahead of what its client was sent is paused: it
 keeps its slot and KV but takes no part in steps until its client reads again, and ends
 (cancelled) after `pause_timeout_seconds`, freeing both.
@@ -25,12 +28,12 @@ import torch
 from ..common.outage import REDIS_UNREACHABLE, OutageLog
 from ..common.store import RequestStore, StepState
 from ..common.tree import DraftTree
-from . import metrics, stages
+from . import metrics, preemption, stages
 from .acceptance import Candidates, Verdict, select_each
-from .admission import Admission, CachedPrefix, Grant
+from .admission import Admission, Grant
 from .runner import ModelRunner, describe
 from .sampling import make_generator
-from .sequence import Committed, Sequence, common_prefix
+from .sequence import Committed, Sequence
 from .speculator import Speculator
 from .step_plan import StepPlan, plan_step
 
@@ -58,7 +61,6 @@ class Engine:
         verifier_id: str = "",
         incarnation: str = "",
         served: dict[str, str] | None = None,
-        prefix_cache: bool = True,
         max_failed_steps: int = 3,
         max_unread_tokens: int = 0,
         pause_timeout_seconds: float = 30.0,
@@ -75,7 +77,6 @@ class Engine:
         self.incarnation = incarnation  # with verifier_id, fences every write (store.py)
         # pool and model_version: on every step write and in every final
         self.served = served or {"pool": "", "model_version": ""}
-        self.prefix_cache = prefix_cache
         self.max_unread_tokens = max_unread_tokens  # 0: never pause
         self.pause_timeout_seconds = pause_timeout_seconds
         self.running: dict[str, Sequence] = {}  # owned by the loop thread
@@ -93,16 +94,10 @@ class Engine:
     # --- called from RPC threads ----------------------------------------------------------
     def admit(self, seq: Sequence, grant: Grant) -> None:
         """Hands a sequence admitted with `grant` (and claimed) to the loop; it joins at the
-        next step. A cached prefix of its session becomes its KV, cut to the shared tokens."""
+        next step with the blocks its grant holds (a cached prefix among them)."""
         seq.generator = make_generator(seq.params, self.runner.model.device)  # where logits are
-        seq.kv_limit = grant.tokens
-        if grant.prefix is not None:
-            kv = grant.prefix.kv
-            shared = common_prefix(grant.prefix.token_ids, seq.prompt_ids)
-            kv.truncate(min(shared, len(seq.prompt_ids) - 1))  # the last one yields logits
-            kv.limit = grant.tokens
-            seq.kv, seq.cached_tokens = kv, kv.length
-            metrics.PREFIX_CACHE_TOKENS.inc(kv.length)
+        seq.kv, seq.cached_tokens = grant.kv, grant.cached_tokens
+        metrics.PREFIX_CACHE_TOKENS.inc(grant.cached_tokens)
         self._inbox.put(seq)
 
     def cancel(self, request_id: str) -> bool:
@@ -203,11 +198,12 @@ class Engine:
     def step(self) -> bool:
         """Plan, draft, verify, accept, emit: one forward pass for every running sequence.
         False when the step failed for every sequence in it."""
+        self._resume()
         plan = self._plan()
         ok = True
         if plan.parts:
             with stages.step_span(plan) as span:
-                trees = self._draft(plan, span)
+                trees = self._fit(plan, self._draft(plan, span))
                 logits = self._verify(plan, trees)
                 ok = self._accept(plan, trees, logits, span)
         self.steps += 1
@@ -222,6 +218,38 @@ class Engine:
             for seq in self.running.values():
                 seq.cancelled |= seq.request_id in self._cancel
         return plan_step(self.running.values(), self.max_prefill_tokens)
+
+    def _resume(self) -> None:
+        """Preempted sequences get their blocks back, in the order they are owed (interactive
+        first, then the earliest admitted), as long as blocks are free; admission waits for
+        them (Admission.resuming)."""
+        waiting = [s for s in self.running.values() if s.preempted and not s.finish_reason]
+        waiting.sort(key=lambda s: (s.queue != "interactive", s.admitted_ms))
+        for count, seq in enumerate(waiting):
+            if not preemption.resume(seq, self.runner.model.pool, self.admission.prefix_cache):
+                self.admission.resuming = len(waiting) - count
+                return
+            log.info("resumed", extra={"request_id": seq.request_id, "tokens": seq.recompute_to})
+        self.admission.resuming = 0
+
+    def _fit(self, plan: StepPlan, trees: list[DraftTree]) -> list[DraftTree]:
+        """Makes the step fit the free KV blocks: without drafts, then without the sequences
+        preempted for it (preemption.py). Returns the step's trees; `plan` loses the parts of
+        the preempted."""
+        pool = self.runner.model.pool
+        if preemption.step_blocks(plan, trees) <= pool.available:
+            return trees
+        trees = [DraftTree() for _ in trees]
+        for seq in preemption.victims(self.running.values()):
+            if preemption.step_blocks(plan, trees) <= pool.available:
+                break
+            preemption.preempt(seq)
+            metrics.PREEMPTIONS.inc()
+            log.info("preempted", extra={"request_id": seq.request_id, "tokens": seq.recompute_to})
+            kept = [i for i, part in enumerate(plan.parts) if part.seq is not seq]
+            plan.parts, trees = [plan.parts[i] for i in kept], [trees[i] for i in kept]
+        self.admission.resuming = sum(s.preempted for s in self.running.values())
+        return trees
 
     def _draft(self, plan: StepPlan, span) -> list[DraftTree]:
         """The step's draft trees; none (plain decoding) if drafting itself breaks."""
@@ -264,6 +292,8 @@ class Engine:
                 if part.prefilling:
                     stages.prefilled(part.seq)
                 accepted += self._settle(part.seq, tree, next(verdicts), part.was)
+            if self.admission.prefix_cache and part.seq.kv is not None:
+                part.seq.kv.seal(part.seq.all_ids)  # its full blocks are shareable now
         span.set_attribute("accepted_tokens", accepted)
         return not all(s.finish_reason == "FINISH_REASON_ERROR" for s in plan.seqs)
 
@@ -369,18 +399,15 @@ class Engine:
     def _retire(self, seq: Sequence) -> None:
         status = STATUS_BY_REASON.get(seq.finish_reason, "finished")
         if seq.kv_kept is None:  # once, even if finishing in Redis fails and is retried
-            prefix = None
-            keep = self.prefix_cache and seq.session_id and status == "finished"
-            if keep and seq.kv is not None:
-                prefix = CachedPrefix(seq.all_ids[: seq.kv.length], seq.kv)
-            self._free(seq, prefix)
+            self._free(seq)
+            seq.kv_kept = self.admission.prefix_cache and status == "finished"
         owned = self.store.finish(
             seq.request_id,
             self.verifier_id,
             status,
             seq.final_info() | self.served,
             seq.queue,
-            seq.session_id if seq.kv_kept else "",
+            seq.session_id if seq.kv_kept else "",  # (a placement hint)
             self.incarnation,
         )
         cancel_steps = self._forget(seq)
@@ -400,13 +427,15 @@ class Engine:
     def _drop(self, seq: Sequence, why: str) -> None:
         """Removes a sequence without ending its request (another verifier goes on with it)."""
         if seq.kv_kept is None:
-            self._free(seq, None)
+            self._free(seq)
+            seq.kv_kept = False
         self._forget(seq)
         log.info("request dropped", extra={"request_id": seq.request_id, "reason": why})
 
-    def _free(self, seq: Sequence, prefix: CachedPrefix | None) -> None:
-        self.runner.release(seq)  # the sequence no longer uses its buffer
-        seq.kv_kept = self.admission.release(seq.request_id, seq.session_id, prefix)
+    def _free(self, seq: Sequence) -> None:
+        """Gives back the sequence's blocks (its sealed ones stay cached) and its slot."""
+        self.runner.release(seq)
+        self.admission.release(seq.request_id)
         self.speculator.forget(seq)
 
     def _forget(self, seq: Sequence) -> int | None:

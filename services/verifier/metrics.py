@@ -50,10 +50,14 @@ PREFIX_CACHE_TOKENS = Counter(
     "Prompt tokens whose KV was taken from the prefix cache instead of computed.",
 )
 KV_BUDGET = Gauge("specserve_verifier_kv_budget_tokens", "KV cache budget in tokens.")
-KV_RESERVED = Gauge(
-    "specserve_verifier_kv_reserved_tokens", "KV tokens reserved by running sequences."
+KV_USED = Gauge("specserve_verifier_kv_used_tokens", "KV tokens in blocks sequences hold.")
+KV_CACHED = Gauge(
+    "specserve_verifier_kv_cached_tokens", "KV tokens in cached blocks (prefix cache), held or not."
 )
-KV_CACHED = Gauge("specserve_verifier_kv_cached_tokens", "KV tokens held by the prefix cache.")
+PREEMPTIONS = Counter(
+    "specserve_verifier_preemptions_total",
+    "Sequences preempted for KV room (recomputed once blocks were free again).",
+)
 RUNNING = Gauge("specserve_verifier_running", "Sequences admitted to the batch.")
 PAUSED = Gauge(
     "specserve_verifier_paused", "Sequences paused: their clients are not reading their output."

@@ -33,9 +33,8 @@ class ModelRunner:
         segments = []
         prefilling = [seq for seq in seqs if seq.prefilling]
         for seq, tree, take in zip(seqs, trees, takes or [None] * len(seqs), strict=True):
-            if seq.kv is None:
+            if seq.kv is None:  # (admission gives every served sequence its KV)
                 seq.kv = self.model.new_kv()
-                seq.kv.limit = seq.kv_limit
             segments.append(tree_segment(seq, tree, take))
         logits = self.model.forward(segments)  # (selection runs where they are)
         elapsed_ms = (time.perf_counter() - started) * 1000
@@ -82,8 +81,10 @@ class ModelRunner:
 
     @staticmethod
     def release(seq: Sequence) -> None:
-        """The sequence no longer uses its KV (a cached prefix may still hold it)."""
-        seq.kv = None
+        """Gives the sequence's KV blocks back; its sealed ones stay in the prefix cache."""
+        if seq.kv is not None:
+            seq.kv.free()
+            seq.kv = None
 
 
 class StepFailed(RuntimeError):

@@ -33,9 +33,11 @@ class Sequence:
     deadline_ms: int = 0  # unix ms after which the request stops (0: none)
     trace_ctx: Any = None  # the request's trace context here (its Admit span), if traced
     restored: int = 0  # output tokens generated before this verifier took the request over
-    kv_limit: int | None = None  # KV entries reserved at admission; the buffer stays within
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    kv_kept: bool | None = None  # set when retired: whether the prefix cache kept its KV
+    kv_kept: bool | None = None  # set when retired: whether its blocks stay in the prefix cache
+    preempted: bool = False  # its KV was given up for room; it waits to be recomputed
+    preemptions: int = 0
+    recompute_to: int = 0  # tokens to prefill again after a preemption (prompt and output)
     output_ids: list[int] = field(default_factory=list)
     num_emitted: int = 0
     kv: SequenceKV | None = None  # the target's KV entries of all_ids[:kv.length]
@@ -69,8 +71,9 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         """True until the whole prompt is in the KV cache (it may take several chunks); for a
-        request taken over from another verifier, the prompt and the restored tokens."""
-        return self.num_computed < len(self.prompt_ids) + self.restored
+        request taken over from another verifier, the prompt and the restored tokens; after a
+        preemption, every token it had."""
+        return self.num_computed < max(len(self.prompt_ids) + self.restored, self.recompute_to)
 
     def pending_input(self, limit: int | None = None) -> list[int]:
         """Tokens the model has not seen yet (the prompt at first, then the last token); at
@@ -139,6 +142,7 @@ class Sequence:
                 "prompt_tokens": len(self.prompt_ids),
                 "completion_tokens": len(self.output_ids),
                 "cached_prompt_tokens": self.cached_tokens,
+                "preemptions": self.preemptions,
             },
             "timings": {
                 "queue_ms": max(0.0, self.admitted_ms - self.created_ms),

@@ -15,7 +15,6 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from ..common import models, telemetry
-from ..common.capacity import kv_need
 from ..common.flat_model import FlatModel
 from ..common.grpc_server import Server
 from ..common.settings import VerifierSettings
@@ -141,9 +140,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         if rec is None or rec.status != "queued":
             return pb.AdmitResponse(admitted=False, reason="the request is not queued")
         seq = sequence_from_record(rec, self.store.progress(rid) if rec.generated else [])
-        need = kv_need(len(seq.prompt_ids), seq.max_tokens, self.settings.max_seq_len)
         try:
-            grant = admission.admit(rid, seq.queue, need, seq.session_id)
+            grant = admission.admit(rid, seq.queue, seq.all_ids)
         except Refused as e:
             return pb.AdmitResponse(admitted=False, free_slots=self._free(), reason=str(e))
         if grant is None:  # a concurrent Admit of the same request (a retry) is admitting it
@@ -161,10 +159,12 @@ class VerifierService(pb_grpc.VerifierServicer):
                 self.incarnation,
             )
         except Exception:
-            admission.release(rid, seq.session_id, grant.prefix)
+            grant.kv.free()
+            admission.release(rid)
             raise
         if claimed != 1:
-            admission.release(rid, seq.session_id, grant.prefix)
+            grant.kv.free()
+            admission.release(rid)
             reason = "the request is not queued"
             if claimed == 2:
                 reason = f"the request started on model version {rec.version} and finishes there"
@@ -176,7 +176,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                 "request_id": rid,
                 "prompt_tokens": len(seq.prompt_ids),
                 "restored_tokens": seq.restored,
-                "kv_tokens": grant.tokens,
+                "kv_blocks": len(grant.kv.table),
                 "cached_tokens": seq.cached_tokens,
             },
         )
@@ -206,8 +206,8 @@ class VerifierService(pb_grpc.VerifierServicer):
             steps=self.engine.steps,
             model=self.served.model,
             kv_budget=self.engine.admission.kv_budget,
-            kv_reserved=load["kv_reserved"],
-            kv_cached=load["kv_cached"],
+            kv_used=load["kv_used"] * load["block_size"],
+            kv_cached=load["kv_cached"] * load["block_size"],
             pool=self.served.pool,
             model_version=self.served.version,
             sha256=self.served.sha256,
@@ -218,16 +218,16 @@ class VerifierService(pb_grpc.VerifierServicer):
         return max(0, self.settings.batch_size - self.engine.admission.load()["running"])
 
     def registry_entry(self, address: str) -> dict:
-        """What the scheduler places by (slots per class, KV budget, limits), and what it
-        checks ownership by: this start's incarnation and the requests running here, listed
-        at `listed_ms` (see common/ownership.py)."""
+        """What the scheduler places by (slots per class, KV blocks, limits, the cached
+        prefixes), and what it checks ownership by: this start's incarnation and the requests
+        running here, listed at `listed_ms` (see common/ownership.py)."""
         listed_ms = now_ms()  # (before the list: what is missing from it left by then)
         request_ids = ",".join(self.engine.running_ids())
         admission = self.engine.admission
         load = admission.load()
         metrics.RUNNING.set(load["running"])
-        metrics.KV_RESERVED.set(load["kv_reserved"])
-        metrics.KV_CACHED.set(load["kv_cached"])
+        metrics.KV_USED.set(load["kv_used"] * load["block_size"])
+        metrics.KV_CACHED.set(load["kv_cached"] * load["block_size"])
         if torch.cuda.is_available():
             metrics.ACCELERATOR_MEMORY.set(torch.cuda.memory_allocated())
         return {
@@ -244,6 +244,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             "kv_budget": admission.kv_budget,
             "max_seq_len": self.settings.max_seq_len,
             "draining": int(self.draining),
+            "prefixes": ",".join(admission.pool.summary(self.settings.prefix_summary_blocks)),
             **load,
         }
 
@@ -278,18 +279,24 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         on_graph=lambda _: metrics.COMPILED_GRAPHS.inc(),
     )
     metrics.WARM_UP_SECONDS.set(warm_up_s)
-    budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)
-    metrics.KV_BUDGET.set(budget)
-    # Room for the budget, plus per sequence a partly filled block and its draft tree's nodes.
-    per_sequence = flat.pool.block_size + settings.verification_tree_size + 1
-    flat.pool.grow_to(budget + settings.batch_size * per_sequence)
     served = Served.of(settings, models.fingerprint(path, manifest))
+    budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)
+    pool = flat.use_pool(  # (allocated now; its pages are touched as blocks fill)
+        budget, settings.kv_block_size, fixed=True, model_version=served.version
+    )
+    metrics.KV_BUDGET.set(pool.tokens)
     metrics.MODEL.labels(served.model, served.sha256, served.version, served.pool).set(1)
     engine = Engine(
         ModelRunner(flat),
         speculator,
         store,
-        Admission(budget, settings.batch_size, settings.interactive_reserved_slots),
+        Admission(
+            pool,
+            settings.batch_size,
+            settings.interactive_reserved_slots,
+            watermark_blocks=int(settings.kv_watermark * pool.blocks),
+            prefix_cache=settings.prefix_cache,
+        ),
         max_seq_len=settings.max_seq_len,
         max_prefill_tokens=settings.max_prefill_tokens,
         eos_ids=eos_ids,
@@ -297,7 +304,6 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         verifier_id=vid,
         incarnation=secrets.token_hex(8),  # new at every start: see "Failures and recovery"
         served={"pool": served.pool, "model_version": served.version},
-        prefix_cache=settings.prefix_cache,
         max_unread_tokens=settings.max_unread_tokens,
         pause_timeout_seconds=settings.pause_timeout_seconds,
     )
@@ -333,7 +339,8 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
             "pool": served.pool,
             "config": served.config,
             "speculative_decoding": settings.speculative_decoding,
-            "kv_budget_tokens": budget,
+            "kv_budget_tokens": pool.tokens,
+            "kv_block_size": pool.block_size,
             "drafters": settings.drafter_addresses,
         },
     )

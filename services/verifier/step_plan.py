@@ -42,11 +42,14 @@ class StepPlan:
 
 
 def plan_step(running: Iterable[Sequence], max_prefill_tokens: int) -> StepPlan:
-    """The sequences that take part in this step (not cancelled, finished or paused), each
+    """The sequences that take part in this step (not cancelled, finished, paused or
+    preempted), each
     with how many of its pending tokens it feeds: all of them when decoding; for a prompt, a
     chunk of the step's prefill budget (interactive prompts first)."""
     active = [
-        s for s in running if not s.cancelled and not s.finish_reason and s.paused_since is None
+        s
+        for s in running
+        if not (s.cancelled or s.finish_reason or s.preempted) and s.paused_since is None
     ]
     budget = max_prefill_tokens
     parts = []

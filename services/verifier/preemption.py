@@ -1,0 +1,61 @@
+"""Preemption: what the engine does when a step needs more KV blocks than the pool has free.
+
+Running out of blocks never fails a step. First the step's draft trees go (plain decoding
+needs at most one new block per sequence); if that is not enough, sequences are preempted, the
+batch class before the interactive one and the most recently admitted first (they have done
+the least work), until the rest fits. A preempted sequence gives its blocks back (its sealed
+ones stay in the prefix cache), keeps its output and its sampler's state, and waits; once the
+blocks it needs are free it is prefilled again, through the prefix cache where its blocks
+are still there, and goes on. Its client sees nothing but a pause: every emitted token
+stands, and it continues from the same index (recompute, as vLLM does; no swap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..common.capacity import admission_blocks
+from ..common.flat_model import SequenceKV
+from ..common.kv_cache import KVPool
+from ..common.tree import DraftTree
+from .sequence import Sequence
+from .step_plan import StepPlan
+
+
+def step_blocks(plan: StepPlan, trees: list[DraftTree]) -> int:
+    """Blocks the step's sequences must take for their new tokens and tree nodes."""
+    return sum(
+        part.seq.kv.missing(part.seq.num_computed + part.take + len(tree))
+        for part, tree in zip(plan.parts, trees, strict=True)
+        if part.seq.kv is not None
+    )
+
+
+def victims(running: Iterable[Sequence]) -> list[Sequence]:
+    """Sequences holding blocks, in the order they are preempted: batch class first, then
+    the most recently admitted."""
+    holding = [s for s in running if s.kv is not None and s.kv.table and not s.finish_reason]
+    return sorted(holding, key=lambda s: (s.queue == "interactive", -s.admitted_ms))
+
+
+def preempt(seq: Sequence) -> None:
+    """Gives the sequence's blocks back; it is recomputed up to every token it has."""
+    seq.kv.free()
+    seq.kv = None
+    seq.preempted = True
+    seq.preemptions += 1
+    seq.recompute_to = len(seq.all_ids)
+
+
+def resume(seq: Sequence, pool: KVPool, prefix_cache: bool) -> bool:
+    """Gives a preempted sequence the blocks of its tokens (cached ones by reference) if they
+    are free; False (nothing taken) if not."""
+    kv = SequenceKV(pool)
+    if prefix_cache:
+        kv.reuse(seq.all_ids)
+    if admission_blocks(len(seq.all_ids), len(kv.table), pool.block_size) > pool.available:
+        kv.free()
+        return False
+    kv.reserve(len(seq.all_ids) + 1)
+    seq.kv, seq.preempted = kv, False
+    return True
