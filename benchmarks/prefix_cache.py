@@ -1,13 +1,14 @@
-"""Time to first token of a conversation's second turn, with and without the prefix cache.
+"""Time to first token when users share a long system prompt, with automatic prefix caching
+and without it.
 
-    python -m benchmarks.prefix_cache [--rounds 3] [--dtype bfloat16]
+    python -m benchmarks.prefix_cache [--users 8] [--rounds 2] [--dtype bfloat16]
 
-One cluster with the default target (plain decoding, so that only prefill differs). Each round:
-turn 1 (the code-editing prompt, a 50-line class) with a session id; then the same turn 2
-(turn 1, its answer and a follow-up question) twice: once in the session (its verifier holds
-turn 1's KV and computes only the new tokens) and once without a session (the whole prompt is
-prefilled). Reports TTFT taken at the client and the prompt tokens taken from the cache.
-Writes <out>/prefix_cache.json.
+One cluster with the default target (plain decoding, so that only prefill differs) per setting
+of `verifier.prefix_cache` (true, then false as the control). Each round, `--users` users send
+the same ~1,000-token system prompt with a question of their own, one after another and with
+no session_id; each round's system prompt is new (numbered), so user 1 always finds it cold.
+Reports TTFT at the client and the prompt tokens taken from the cache; the figure of merit is
+user 1's TTFT over the median of users 2..N's. Writes <out>/prefix_cache.json.
 """
 
 from __future__ import annotations
@@ -24,41 +25,67 @@ import grpc
 from specserve.local_cluster import LocalCluster, without_security
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
-from .prompts import PROMPTS
+QUESTIONS = [
+    "How do I reverse a list in place?",
+    "Write a function that checks whether a string is a palindrome.",
+    "What does a context manager do?",
+    "Explain list comprehensions with one example.",
+    "How do I read a file line by line?",
+    "What is the difference between a tuple and a list?",
+    "Write a function that returns the n-th Fibonacci number.",
+    "How do I sort a dictionary by its values?",
+    "How do I merge two dictionaries?",
+    "What is a generator?",
+]
 
-KEPT = ("ttft_s", "cached_prompt_tokens")
+RULES = [
+    "Answer in plain English and keep every answer short.",
+    "Prefer the standard library over third-party packages.",
+    "Show code in one block, with type hints and a docstring.",
+    "Name variables after what they hold, never after their type.",
+    "Point out edge cases: empty input, None, very large input.",
+    "Never invent an API: say so when you are not sure it exists.",
+    "Explain an error by its cause first, then the fix.",
+    "Prefer small pure functions to classes with state.",
+]
 
 
-def turn(stub, messages: list[tuple[str, str]], tokens: int, session: str) -> dict:
-    req = generation_pb2.GenerateRequest(max_tokens=tokens, session_id=session)
-    for role, content in messages:
-        req.messages.messages.add(role=role, content=content)
+def system_prompt(round_index: int, words: int = 700) -> str:
+    """A numbered assistant policy of about `words` words (~1,000 tokens)."""
+    lines = [f"You are coding assistant #{round_index}. Follow these rules."]
+    n = 0
+    while sum(len(line.split()) for line in lines) < words:
+        lines.append(f"Rule {n + 1}: {RULES[n % len(RULES)]} (section {n // len(RULES) + 1})")
+        n += 1
+    return "\n".join(lines)
+
+
+def ask(stub, system: str, question: str, tokens: int) -> dict:
+    req = generation_pb2.GenerateRequest(max_tokens=tokens)
+    req.messages.messages.add(role="system", content=system)
+    req.messages.messages.add(role="user", content=question)
     started = time.perf_counter()
-    ttft, text, final = None, "", None
+    ttft, final = None, None
     for chunk in stub.Generate(req, timeout=1800):
         if ttft is None and chunk.token_ids:
             ttft = time.perf_counter() - started
-        text += chunk.text
         if chunk.HasField("final"):
             final = chunk.final
     return {
         "ttft_s": round(ttft, 3),
         "prompt_tokens": final.usage.prompt_tokens,
         "cached_prompt_tokens": final.usage.cached_prompt_tokens,
-        "text": text,
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=32, help="max_tokens of each turn")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--out", default="benchmarks/results")
-    args = p.parse_args()
+def run(args, prefix_cache: bool) -> list[list[dict]]:
     config = {
-        "verifier": {"device": args.device, "dtype": args.dtype, "speculative_decoding": False}
+        "verifier": {
+            "device": args.device,
+            "dtype": args.dtype,
+            "speculative_decoding": False,
+            "prefix_cache": prefix_cache,
+        }
     }
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,39 +95,53 @@ def main() -> None:
         try:
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
                 stub = generation_pb2_grpc.GenerationStub(channel)
-                turn(stub, [("user", "Say hi.")], 4, "")  # warm up
-                for i in range(args.rounds):
-                    first = [("user", PROMPTS["edit"])]
-                    one = turn(stub, first, args.tokens, f"bench-{i}")
-                    second = first + [
-                        ("assistant", one["text"]),
-                        ("user", "Now add a docstring to every method."),
+                ask(stub, "Be brief.", "Say hi.", 4)  # warm up
+                for r in range(args.rounds):
+                    system = system_prompt(r + 1 + 100 * prefix_cache)
+                    users = [
+                        ask(stub, system, QUESTIONS[u % len(QUESTIONS)], args.tokens)
+                        for u in range(args.users)
                     ]
-                    cached = turn(stub, second, args.tokens, f"bench-{i}")
-                    cold = turn(stub, second, args.tokens, "")
-                    rounds.append(
-                        {
-                            "turn2_prompt_tokens": cached["prompt_tokens"],
-                            "with_session": {
-                                k: cached[k] for k in ("ttft_s", "cached_prompt_tokens")
-                            },
-                            "without_session": {
-                                k: cold[k] for k in ("ttft_s", "cached_prompt_tokens")
-                            },
-                        }
-                    )
-                    print(json.dumps(rounds[-1]), flush=True)
+                    rounds.append(users)
+                    print(json.dumps({"prefix_cache": prefix_cache, "users": users}), flush=True)
         finally:
             cluster.stop()
-    warm = statistics.median(r["with_session"]["ttft_s"] for r in rounds)
-    cold = statistics.median(r["without_session"]["ttft_s"] for r in rounds)
+    return rounds
+
+
+def summary(rounds: list[list[dict]]) -> dict:
+    first = statistics.median(users[0]["ttft_s"] for users in rounds)
+    rest = statistics.median(u["ttft_s"] for users in rounds for u in users[1:])
+    return {
+        "user1_ttft_s": first,
+        "users2_n_median_ttft_s": rest,
+        "user1_over_others": round(first / rest, 2),
+        "prompt_tokens": rounds[0][0]["prompt_tokens"],
+        "cached_prompt_tokens_users2_n": sorted(
+            {u["cached_prompt_tokens"] for users in rounds for u in users[1:]}
+        ),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=8, help="max_tokens of each request")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    results = {setting: run(args, setting) for setting in (True, False)}
     report = {
-        "command": f"python -m benchmarks.prefix_cache --rounds {args.rounds} --tokens "
-        f"{args.tokens} --dtype {args.dtype} --device {args.device}",
+        "command": f"python -m benchmarks.prefix_cache --users {args.users} --rounds "
+        f"{args.rounds} --tokens {args.tokens} --dtype {args.dtype} --device {args.device}",
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "median_ttft_s": {"with_session": warm, "without_session": cold},
-        "ttft_ratio": round(warm / cold, 3),
-        "rounds": rounds,
+        "configuration": f"default target, {args.dtype}, {args.device}, plain decoding, "
+        "no session_id; one request at a time",
+        "prefix_cache_on": summary(results[True]),
+        "prefix_cache_off": summary(results[False]),
+        "rounds": {"prefix_cache_on": results[True], "prefix_cache_off": results[False]},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

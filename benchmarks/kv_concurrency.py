@@ -1,0 +1,210 @@
+"""How many sequences run at once in a fixed KV memory: blocks with preemption, against
+reserving each request's worst case.
+
+    python -m benchmarks.kv_concurrency [--requests 24] [--kv-tokens 16384] [--block-size 16]
+
+The verifier's real Engine, Admission and block pool (in this process, against a private
+redis-server), with SmolLM2-135M as the target (`specserve models fetch
+smollm2-135m-instruct@0.1.2` first; --model names another), bf16, plain decoding. A seeded mixed
+workload: prompts of 100-2,000 tokens, outputs of 50-2,000, and max_tokens as generous as the
+context allows (max_seq_len 4,096 less the prompt), as clients set it. A request ends at its
+output length, as if it had met its EOS there: the admission rule never knows when that is.
+Requests arrive all at once and are admitted first in, first out, whenever they fit.
+
+Two admission rules over the same pool, workload and engine:
+- blocks: this verifier's rule (a prompt's blocks; a sequence takes more as it grows; the step
+  preempts by recompute when the pool runs dry);
+- worst case: the rule before blocks, emulated by the harness: a request is admitted only when
+  the worst cases (capacity.kv_need) of all running ones and its own fit the pool.
+Reports per rule the peak and mean number of sequences holding KV per step, preemptions,
+failed requests, steps and wall time. Writes <out>/kv_concurrency.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.common import models
+from specserve.common.capacity import kv_need
+from specserve.common.flat_model import FlatModel
+from specserve.common.settings import ModelRef, ServiceSettings
+from specserve.common.store import RequestStore
+from specserve.common.tree import DraftTree
+from specserve.local_cluster import free_port
+from specserve.verifier.admission import Admission, Refused
+from specserve.verifier.engine import Engine
+from specserve.verifier.runner import ModelRunner
+from specserve.verifier.sampling import SamplingParams
+from specserve.verifier.sequence import Sequence
+
+MAX_SEQ_LEN = 4096
+VID = "bench-verifier"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    output: int  # tokens it generates before its (emulated) EOS
+    max_tokens: int  # what the client asked for
+
+
+def workload(count: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        prompt = [rng.randrange(1000, 20000) for _ in range(rng.randint(100, 2000))]
+        output = rng.randint(50, 2000)
+        out.append(Request(f"r{i}", prompt, min(output, MAX_SEQ_LEN - len(prompt) - 1), 0))
+        out[-1].max_tokens = MAX_SEQ_LEN - len(prompt)
+    return out
+
+
+class NoDrafts:
+    """Plain decoding: the step's trees are empty."""
+
+    def propose(self, seqs, other_tokens=0, first_token=False):
+        return [DraftTree() for _ in seqs]
+
+    def observe_step(self, *args) -> None:
+        pass
+
+    def observe_acceptance(self, *args) -> None:
+        pass
+
+    def forget(self, seq) -> None:
+        pass
+
+
+def simulate(flat: FlatModel, store: RequestStore, requests: list[Request], rule: str, args):
+    pool = flat.use_pool(args.kv_tokens, args.block_size, fixed=True)
+    admission = Admission(
+        pool, args.batch_size, 0, watermark_blocks=int(0.01 * pool.blocks), prefix_cache=True
+    )
+    engine = Engine(
+        ModelRunner(flat),
+        NoDrafts(),
+        store,
+        admission,
+        max_seq_len=MAX_SEQ_LEN,
+        max_prefill_tokens=512,
+        eos_ids=set(),
+        decode=lambda ids: "",
+        verifier_id=VID,
+    )
+    waiting = deque(requests)
+    worst: dict[str, int] = {}
+    seqs: list[Sequence] = []
+    holding, started = [], time.perf_counter()
+    while waiting or engine.running:
+        while waiting:
+            req = waiting[0]
+            need = kv_need(len(req.prompt), req.max_tokens, MAX_SEQ_LEN)
+            live = sum(worst[rid] for rid in engine.running)
+            if rule == "worst case" and live + need > pool.tokens:
+                break
+            rid = f"{rule[0]}-{req.rid}"
+            try:
+                grant = admission.admit(rid, "interactive", req.prompt)
+            except Refused:
+                break
+            waiting.popleft()
+            worst[rid] = need
+            spec = {"prompt_ids": req.prompt, "max_tokens": req.max_tokens}
+            store.create(rid, spec, "interactive", 10_000)
+            store.claim(rid, VID, int(time.time() * 1000))
+            seq = Sequence(
+                request_id=rid,
+                prompt_ids=req.prompt,
+                max_tokens=req.output,  # its EOS: admission saw req.max_tokens
+                params=SamplingParams(),
+                stop=[],
+                queue="interactive",
+                entry_id="0-0",
+                created_ms=0,
+                admitted_ms=int(time.time() * 1000),
+            )
+            engine.admit(seq, grant)
+            engine._take_new(block=False)
+            seqs.append(seq)
+        engine.step()
+        holding.append(sum(not s.preempted for s in engine.running.values()))
+    failed = [s.request_id for s in seqs if s.finish_reason != "FINISH_REASON_LENGTH"]
+    return {
+        "rule": rule,
+        "peak_concurrent": max(holding),
+        "mean_concurrent": round(statistics.mean(holding), 2),
+        "preemptions": sum(s.preemptions for s in seqs),
+        "failed_requests": len(failed),
+        "generated_tokens": sum(len(s.output_ids) for s in seqs),
+        "steps": len(holding),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "pool_blocks_free_at_end": pool.available == pool.blocks,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--kv-tokens", type=int, default=16384)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=f"{ServiceSettings().model_cache_dir}")
+    p.add_argument("--rules", default="blocks,worst case")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    path, _ = models.resolve(ModelRef(name="smollm2-135m-instruct", version="0.1.2"), args.model)
+    flat = FlatModel(models.load_model(path, "cpu", "bfloat16"))
+    requests = workload(args.requests, args.seed)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        redis = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--save", "", "--dir", tmp],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            store = RequestStore.from_url(f"redis://127.0.0.1:{port}/0")
+            store.wait_reachable()
+            store.ensure_queues()
+            for rule in args.rules.split(","):
+                results.append(simulate(flat, store, requests, rule, args))
+                print(json.dumps(results[-1]), flush=True)
+        finally:
+            redis.terminate()
+    by_rule = {r["rule"]: r for r in results}
+    report = {
+        "command": f"python -m benchmarks.kv_concurrency --requests {args.requests} "
+        f"--kv-tokens {args.kv_tokens} --block-size {args.block_size} --seed {args.seed}",
+        "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "configuration": "SmolLM2-135M bf16 target, cpu, plain decoding, in-process engine; "
+        f"{args.kv_tokens}-token pool; prompts 100-2000, outputs 50-2000, max_tokens = "
+        f"{MAX_SEQ_LEN} - prompt",
+        "results": results,
+    }
+    if {"blocks", "worst case"} <= by_rule.keys():
+        report["mean_concurrency_ratio"] = round(
+            by_rule["blocks"]["mean_concurrent"] / by_rule["worst case"]["mean_concurrent"], 2
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kv_concurrency.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
