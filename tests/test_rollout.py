@@ -51,8 +51,12 @@ def test_pool_choice_at_the_ends_and_with_a_pool_down():
 
 def test_a_pinned_request_is_placed_only_on_its_pool_or_version():
     loads = [
-        VerifierLoad("s", "a:1", 4, 0, 4, 0, 1000, 0, 100, pool=STABLE, version="m:1"),
-        VerifierLoad("c", "a:2", 4, 0, 4, 0, 1000, 900, 100, pool=CANARY, version="m:2"),
+        VerifierLoad(
+            "s", "a:1", 4, 0, 4, 0, 1000, 1000, max_seq_len=100, pool=STABLE, version="m:1"
+        ),
+        VerifierLoad(
+            "c", "a:2", 4, 0, 4, 0, 1000, 100, max_seq_len=100, pool=CANARY, version="m:2"
+        ),
     ]
     # Unpinned, the one with more free KV wins; pinned, only the pool or version asked for.
     assert choose_verifier(loads, Want("interactive", 10, 10)).verifier_id == "s"
@@ -77,6 +81,7 @@ def handed_back(store: RequestStore, rid: str, version: str) -> None:
 
 def register(store: RequestStore, vid: str, version: str) -> None:
     row = {"address": "127.0.0.1:9", "capacity": 4, "batch_capacity": 3, "kv_budget": 1000}
+    row |= {"kv_free": 1000, "block_size": 1}
     store.heartbeat(vid, row | {"max_seq_len": 100, "version": version, "pool": STABLE}, 30)
 
 

@@ -120,9 +120,7 @@ def test_sequences_joining_and_leaving_mid_batch_keep_greedy_outputs(
     assert (drafted > accepted) if speculative else (drafted == 0)
 
 
-def test_a_flood_runs_in_a_tight_kv_pool_and_what_can_never_fit_is_rejected(
-    cluster_of, tokenizer
-):
+def test_a_flood_runs_in_a_tight_kv_pool_and_what_can_never_fit_is_rejected(cluster_of, tokenizer):
     """A 336-token pool (21 blocks) holds the worst case (prompt + max_tokens) of three of these
     requests, but admission takes only a prompt's blocks: four run at once (the batch size), and
     when their growth runs the pool dry the verifier preempts and recomputes. Every request

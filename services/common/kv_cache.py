@@ -238,6 +238,11 @@ class SequenceKV:
         self.length = len(self.table) * size
         return self.length
 
+    @property
+    def sealable(self) -> bool:
+        """Whether a block has filled with committed entries since the last `seal`."""
+        return self.length // self.pool.block_size > len(self.hashes)
+
     def seal(self, token_ids: list[int]) -> None:
         """Caches the blocks that are full of committed entries; `token_ids` are the tokens of
         positions 0..length-1 (at least)."""

@@ -220,34 +220,14 @@ class Engine:
         return plan_step(self.running.values(), self.max_prefill_tokens)
 
     def _resume(self) -> None:
-        """Preempted sequences get their blocks back, in the order they are owed (interactive
-        first, then the earliest admitted), as long as blocks are free; admission waits for
-        them (Admission.resuming)."""
-        waiting = [s for s in self.running.values() if s.preempted and not s.finish_reason]
-        waiting.sort(key=lambda s: (s.queue != "interactive", s.admitted_ms))
-        for count, seq in enumerate(waiting):
-            if not preemption.resume(seq, self.runner.model.pool, self.admission.prefix_cache):
-                self.admission.resuming = len(waiting) - count
-                return
-            log.info("resumed", extra={"request_id": seq.request_id, "tokens": seq.recompute_to})
-        self.admission.resuming = 0
+        """Preempted sequences take their blocks back while they are free (preemption.py);
+        admission waits while any is still waiting."""
+        pool, cached = self.runner.model.pool, self.admission.prefix_cache
+        self.admission.resuming = preemption.resume_waiting(self.running.values(), pool, cached)
 
     def _fit(self, plan: StepPlan, trees: list[DraftTree]) -> list[DraftTree]:
-        """Makes the step fit the free KV blocks: without drafts, then without the sequences
-        preempted for it (preemption.py). Returns the step's trees; `plan` loses the parts of
-        the preempted."""
-        pool = self.runner.model.pool
-        if preemption.step_blocks(plan, trees) <= pool.available:
-            return trees
-        trees = [DraftTree() for _ in trees]
-        for seq in preemption.victims(self.running.values()):
-            if preemption.step_blocks(plan, trees) <= pool.available:
-                break
-            preemption.preempt(seq)
-            metrics.PREEMPTIONS.inc()
-            log.info("preempted", extra={"request_id": seq.request_id, "tokens": seq.recompute_to})
-            kept = [i for i, part in enumerate(plan.parts) if part.seq is not seq]
-            plan.parts, trees = [plan.parts[i] for i in kept], [trees[i] for i in kept]
+        """The step's trees, and its plan, cut to the free KV blocks (preemption.py)."""
+        trees = preemption.fit(plan, trees, self.running.values(), self.runner.model.pool)
         self.admission.resuming = sum(s.preempted for s in self.running.values())
         return trees
 
@@ -292,8 +272,9 @@ class Engine:
                 if part.prefilling:
                     stages.prefilled(part.seq)
                 accepted += self._settle(part.seq, tree, next(verdicts), part.was)
-            if self.admission.prefix_cache and part.seq.kv is not None:
-                part.seq.kv.seal(part.seq.all_ids)  # its full blocks are shareable now
+            kv = part.seq.kv
+            if self.admission.prefix_cache and kv is not None and kv.sealable:
+                kv.seal(part.seq.all_ids)  # its full blocks are shareable now
         span.set_attribute("accepted_tokens", accepted)
         return not all(s.finish_reason == "FINISH_REASON_ERROR" for s in plan.seqs)
 

@@ -12,14 +12,48 @@ stands, and it continues from the same index (recompute, as vLLM does; no swap).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from ..common.capacity import admission_blocks
 from ..common.flat_model import SequenceKV
 from ..common.kv_cache import KVPool
 from ..common.tree import DraftTree
+from . import metrics
 from .sequence import Sequence
 from .step_plan import StepPlan
+
+log = logging.getLogger(__name__)
+
+
+def fit(
+    plan: StepPlan, trees: list[DraftTree], running: Iterable[Sequence], pool: KVPool
+) -> list[DraftTree]:
+    """Cuts the step to the pool's available blocks: the trees it returns are the step's own,
+    or none if they did not fit; then sequences are preempted (`victims`) until the rest fits,
+    and `plan` loses their parts."""
+    if step_blocks(plan, trees) <= pool.available:
+        return trees
+    trees = [DraftTree() for _ in trees]
+    for seq in victims(running):
+        if step_blocks(plan, trees) <= pool.available:
+            break
+        preempt(seq)
+        kept = [i for i, part in enumerate(plan.parts) if part.seq is not seq]
+        plan.parts, trees = [plan.parts[i] for i in kept], [trees[i] for i in kept]
+    return trees
+
+
+def resume_waiting(running: Iterable[Sequence], pool: KVPool, prefix_cache: bool) -> int:
+    """Resumes preempted sequences in the order they are owed (interactive first, then the
+    earliest admitted) while their blocks are free; returns how many still wait."""
+    waiting = [s for s in running if s.preempted and not s.finish_reason]
+    waiting.sort(key=lambda s: (s.queue != "interactive", s.admitted_ms))
+    for count, seq in enumerate(waiting):
+        if not resume(seq, pool, prefix_cache):
+            return len(waiting) - count
+        log.info("resumed", extra={"request_id": seq.request_id, "tokens": seq.recompute_to})
+    return 0
 
 
 def step_blocks(plan: StepPlan, trees: list[DraftTree]) -> int:
@@ -45,6 +79,8 @@ def preempt(seq: Sequence) -> None:
     seq.preempted = True
     seq.preemptions += 1
     seq.recompute_to = len(seq.all_ids)
+    metrics.PREEMPTIONS.inc()
+    log.info("preempted", extra={"request_id": seq.request_id, "tokens": seq.recompute_to})
 
 
 def resume(seq: Sequence, pool: KVPool, prefix_cache: bool) -> bool:
