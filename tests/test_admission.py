@@ -100,6 +100,26 @@ def test_unreferenced_cached_blocks_are_evicted_least_recently_used_first():
     pool.release(taken)
 
 
+def test_a_prefix_keeps_its_first_blocks_longest():
+    """A sequence releases its blocks last first: eviction takes a prefix's tail before the
+    blocks the rest of it is found through."""
+    pool = KVPool(1, 1, 2, torch.float32, "cpu", block_size=4, blocks=3, fixed=True)
+    SequenceFor(pool, tokens(12)).free()
+    pool.release(pool.take(1))
+    assert len(pool.lookup(prefix.block_hashes(tokens(12), 4, pool.root))) == 2
+
+
+def test_admission_waits_while_preempted_sequences_wait_and_says_so_in_its_load():
+    adm = admission(blocks=16, watermark_blocks=2)
+    assert adm.load()["kv_free"] == 16  # nothing runs: no watermark
+    adm.admit("a", "interactive", tokens(3))
+    assert adm.load()["kv_free"] == 13
+    adm.resuming = 1
+    assert adm.load()["kv_free"] == 0
+    with pytest.raises(Refused, match="preempted sequences wait"):
+        adm.admit("b", "interactive", tokens(3, 10))
+
+
 def SequenceFor(pool: KVPool, ids: list[int]):
     """A sequence holding `ids`, its full blocks sealed."""
     from specserve.common.kv_cache import SequenceKV
@@ -137,7 +157,7 @@ def test_placement_prefers_the_longest_cached_prefix_then_the_session_then_load(
     ]
     want = Want("interactive", len(prompt), 100, "a", prompt_ids=prompt)
     assert choose_verifier(loads, want).verifier_id == "c"  # 6 blocks cached
-    assert loads[2].need(want) == 11 - 6
+    assert loads[2].cached_blocks(want) == 6 and loads[2].need(want) == 11  # (see need)
     assert choose_verifier(loads[:2], want).verifier_id == "b"
     other = Want("interactive", 41, 100, "a", prompt_ids=tokens(41, 7))  # no cached prefix
     assert choose_verifier(loads, other).verifier_id == "a"  # its session's verifier

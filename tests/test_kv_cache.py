@@ -138,3 +138,25 @@ def test_a_thousand_random_tree_steps_leak_no_blocks(tiny_model):
         kv.free()
     assert p.available == p.blocks and not any(p.refs)
     assert p.hits > 0  # the shared system prompt was reused
+
+
+def test_blocks_for_several_sequences_are_taken_for_all_or_none():
+    p = KVPool(2, 1, 2, torch.float32, DEVICE, block_size=4, blocks=4, fixed=True)
+    a, b = SequenceKV(p), SequenceKV(p)
+    with pytest.raises(OutOfBlocks):
+        p.reserve([(a, 8), (b, 12)])
+    assert a.table == b.table == [] and p.available == 4
+    p.reserve([(a, 8), (b, 8)])
+    assert len(a.table) == len(b.table) == 2
+
+
+def test_only_blocks_of_known_tokens_are_sealed():
+    """A sequence that ended inside an accepted draft path holds entries past its last
+    emitted token: nothing past that token is cached."""
+    p = pool(blocks=8)
+    kv = SequenceKV(p)
+    kv.reserve(12)
+    kv.length = 12
+    assert not kv.sealable(3) and kv.sealable(4)
+    kv.seal(list(range(9)))
+    assert len(kv.hashes) == 2 and p.cached == 2

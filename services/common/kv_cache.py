@@ -103,25 +103,43 @@ class KVPool:
         cached ones (evicted). A growing pool grows when too few are available; a fixed one
         raises OutOfBlocks and takes none."""
         with self._lock:
-            self._collect()
-            if self.available < count:
-                if self.fixed:
-                    raise OutOfBlocks(f"{count} KV blocks asked for, {self.available} available")
-                self._grow(max(self.blocks, count))
-            taken = []
-            for _ in range(count):
-                if self.free_blocks:
-                    block = self.free_blocks.pop()
-                else:
-                    block, _ = self.evictable.popitem(last=False)
-                    del self.by_hash[self.hash_of.pop(block)]
-                self.refs[block] = 1
-                taken.append(block)
-            return taken
+            self._make_room(count)
+            return self._take(count)
+
+    def reserve(self, needs: list[tuple[SequenceKV, int]]) -> None:
+        """Takes blocks so that each sequence holds its number of positions: for all of them
+        or (OutOfBlocks, fixed pool) for none, checked and taken at once, so that no other
+        thread's take comes in between."""
+        with self._lock:
+            missing = [kv.missing(needed) for kv, needed in needs]
+            self._make_room(sum(missing))
+            for (kv, _), count in zip(needs, missing, strict=True):
+                kv.table.extend(self._take(count))
+
+    def _make_room(self, count: int) -> None:
+        self._collect()
+        if self.available < count:
+            if self.fixed:
+                raise OutOfBlocks(f"{count} KV blocks asked for, {self.available} available")
+            self._grow(max(self.blocks, count))
+
+    def _take(self, count: int) -> list[int]:
+        taken = []
+        for _ in range(count):
+            if self.free_blocks:
+                block = self.free_blocks.pop()
+            else:
+                block, _ = self.evictable.popitem(last=False)
+                del self.by_hash[self.hash_of.pop(block)]
+            self.refs[block] = 1
+            taken.append(block)
+        return taken
 
     def release(self, blocks: list[int]) -> None:
         """One reference less on each block; an unreferenced block is free again, or stays
-        cached (evictable, most recently used last) if it is sealed."""
+        cached (evictable, most recently used last) if it is sealed. A sequence's blocks are
+        released last first, so that a prefix's first blocks, which its later ones need to be
+        found, are evicted last."""
         with self._lock:
             self._release(blocks)
 
@@ -238,17 +256,18 @@ class SequenceKV:
         self.length = len(self.table) * size
         return self.length
 
-    @property
-    def sealable(self) -> bool:
-        """Whether a block has filled with committed entries since the last `seal`."""
-        return self.length // self.pool.block_size > len(self.hashes)
+    def sealable(self, tokens: int) -> bool:
+        """Whether a block has filled with committed entries of `tokens` known tokens since
+        the last `seal`."""
+        return min(self.length, tokens) // self.pool.block_size > len(self.hashes)
 
     def seal(self, token_ids: list[int]) -> None:
         """Caches the blocks that are full of committed entries; `token_ids` are the tokens of
-        positions 0..length-1 (at least)."""
+        positions 0.. (past the last of them nothing is sealed: a sequence that ended inside
+        an accepted draft path holds entries of tokens it never emitted)."""
         size = self.pool.block_size
         parent = self.hashes[-1] if self.hashes else self.pool.root
-        for index in range(len(self.hashes), self.length // size):
+        for index in range(len(self.hashes), min(self.length, len(token_ids)) // size):
             parent = prefix.chain(parent, token_ids[index * size : (index + 1) * size])
             self.pool.seal(self.table[index], parent)
             self.hashes.append(parent)
@@ -267,14 +286,14 @@ class SequenceKV:
             dropped, self.table = self.table[keep:], self.table[:keep]
             self.hashes = self.hashes[:keep]
             self.length = keep * self.pool.block_size
-            self.pool.release(dropped)
+            self.pool.release(dropped[::-1])
 
     def trim(self) -> None:
         """Gives back the blocks past the last entry (a draft tree's scratch)."""
         keep = -(-self.length // self.pool.block_size)
         if len(self.table) > keep:
             spare, self.table = self.table[keep:], self.table[:keep]
-            self.pool.release(spare)
+            self.pool.release(spare[::-1])
 
     @torch.inference_mode()
     def keep(self, start: int, offsets: list[int]) -> None:
@@ -293,7 +312,7 @@ class SequenceKV:
     def free(self) -> None:
         """Gives the blocks back (sealed ones stay cached); the sequence holds nothing after."""
         table, self.table, self.hashes, self.length = self.table, [], [], 0
-        self.pool.release(table)
+        self.pool.release(table[::-1])
 
     def __del__(self) -> None:
         if self.table:

@@ -29,8 +29,10 @@ class VerifierLoad:
     prefixes: frozenset[str] = frozenset()  # short hashes of its cached blocks (prefix.short)
 
     def need(self, want: Want) -> int:
-        """Blocks the verifier takes to admit the request, less those it has cached."""
-        return admission_blocks(want.prompt_tokens, self.cached_blocks(want), self.block_size)
+        """Blocks the verifier takes from its free ones to admit the request: all of its
+        prompt's, since cached blocks that nobody holds are counted as free and stop being
+        free once it holds them (so this is exact or, for blocks held already, too many)."""
+        return admission_blocks(want.prompt_tokens, 0, self.block_size)
 
     def cached_blocks(self, want: Want) -> int:
         """How many leading blocks of the request's prompt the verifier holds cached."""
@@ -114,19 +116,23 @@ class Want:
 
 def choose_verifier(loads: list[VerifierLoad], want: Want) -> VerifierLoad | None:
     """Among the eligible verifiers (pool, version) that have room for the request: the one
-    holding the longest cached prefix of its prompt; with none, the session's verifier; else
-    the least loaded: most free KV blocks (as a share), then fewest running. None if it fits
-    nowhere now."""
+    holding the longest cached prefix of its prompt (the least loaded of those that tie); with
+    none, the session's verifier; else the least loaded: most free KV blocks (as a share), then
+    fewest running. None if it fits nowhere now."""
     fitting = [v for v in want.eligible(loads) if v.fits(want)]
     if not fitting:
         return None
-    cached = max(fitting, key=lambda v: v.cached_blocks(want))
+
+    def load(v: VerifierLoad) -> tuple[float, int]:
+        return v.kv_free * v.block_size / max(1, v.kv_budget), -v.running
+
+    cached = max(fitting, key=lambda v: (v.cached_blocks(want), *load(v)))
     if cached.cached_blocks(want):
         return cached
     for v in fitting:
         if v.verifier_id == want.session_owner:
             return v
-    return max(fitting, key=lambda v: (v.kv_free * v.block_size / max(1, v.kv_budget), -v.running))
+    return max(fitting, key=load)
 
 
 def class_order(streak: int, burst: int, batch_waiting: bool) -> tuple[str, ...]:

@@ -66,7 +66,7 @@ class Admission:
     # --- what the registry and Status report ------------------------------------------------
     def load(self) -> dict[str, int]:
         """Slots taken, and the pool in blocks: held by sequences, cached (sealed), and free
-        for admission (available less the watermark)."""
+        for admission (`_free`)."""
         with self._lock:
             return {
                 "running": len(self._grants),
@@ -75,7 +75,7 @@ class Admission:
                 "kv_blocks": self.pool.blocks,
                 "kv_used": self.pool.used,
                 "kv_cached": self.pool.cached,
-                "kv_free": max(0, self.pool.available - self.watermark_blocks),
+                "kv_free": self._free(),
             }
 
     def holds(self, rid: str) -> bool:
@@ -100,7 +100,7 @@ class Admission:
             cached = kv.reuse(token_ids) if self.prefix_cache else 0
             size = self.pool.block_size
             need = admission_blocks(len(token_ids), len(kv.table), size)
-            free = self.pool.available - (self.watermark_blocks if self._grants else 0)
+            free = self._free()
             try:
                 if need > free:
                     raise Refused(f"needs {need} KV blocks of {size} tokens, {free} are free")
@@ -119,6 +119,13 @@ class Admission:
         """Frees a sequence's slot (its blocks go back with its KV: SequenceKV.free)."""
         with self._lock:
             self._grants.pop(rid, None)
+
+    def _free(self) -> int:
+        """Blocks a new sequence may take now: none while preempted ones wait to resume; the
+        available ones less the watermark while any sequence runs."""
+        if self.resuming:
+            return 0
+        return max(0, self.pool.available - (self.watermark_blocks if self._grants else 0))
 
     def _batch_running(self) -> int:
         return sum(g.priority == "batch" for g in self._grants.values())

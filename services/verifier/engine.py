@@ -222,8 +222,12 @@ class Engine:
     def _resume(self) -> None:
         """Preempted sequences take their blocks back while they are free (preemption.py);
         admission waits while any is still waiting."""
-        pool, cached = self.runner.model.pool, self.admission.prefix_cache
-        self.admission.resuming = preemption.resume_waiting(self.running.values(), pool, cached)
+        self.admission.resuming = preemption.resume_waiting(
+            list(self.running.values()),
+            self.runner.model.pool,
+            self.admission.prefix_cache,
+            self.admission.watermark_blocks,
+        )
 
     def _fit(self, plan: StepPlan, trees: list[DraftTree]) -> list[DraftTree]:
         """The step's trees, and its plan, cut to the free KV blocks (preemption.py)."""
@@ -272,9 +276,10 @@ class Engine:
                 if part.prefilling:
                     stages.prefilled(part.seq)
                 accepted += self._settle(part.seq, tree, next(verdicts), part.was)
-            kv = part.seq.kv
-            if self.admission.prefix_cache and kv is not None and kv.sealable:
-                kv.seal(part.seq.all_ids)  # its full blocks are shareable now
+            kv, seq = part.seq.kv, part.seq
+            tokens = len(seq.prompt_ids) + len(seq.output_ids)
+            if self.admission.prefix_cache and kv is not None and kv.sealable(tokens):
+                kv.seal(seq.all_ids)  # its full blocks are shareable now
         span.set_attribute("accepted_tokens", accepted)
         return not all(s.finish_reason == "FINISH_REASON_ERROR" for s in plan.seqs)
 

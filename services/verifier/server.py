@@ -169,7 +169,12 @@ class VerifierService(pb_grpc.VerifierServicer):
             if claimed == 2:
                 reason = f"the request started on model version {rec.version} and finishes there"
             return pb.AdmitResponse(admitted=False, reason=reason)
-        self.engine.admit(seq, grant)
+        try:
+            self.engine.admit(seq, grant)
+        except Exception:  # (claimed: the reaper requeues it, as it is not running here)
+            grant.kv.free()
+            admission.release(rid)
+            raise
         log.info(
             "admitted",
             extra={
