@@ -28,6 +28,7 @@ from collections import OrderedDict
 import torch
 
 from . import prefix
+from .capacity import admission_blocks
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,31 @@ class SequenceKV:
         self.table: list[int] = []  # block ids, in position order
         self.hashes: list[int] = []  # prefix hashes of the sealed blocks table[:len(hashes)]
         self.length = 0
+
+    @classmethod
+    def start(
+        cls, pool: KVPool, token_ids: list[int], *, reuse: bool, keep_free: int = 0
+    ) -> SequenceKV:
+        """A sequence holding the blocks of `token_ids` and of the token after them: the cached
+        blocks of their longest cached prefix by reference (when `reuse`; its length is past
+        them), new ones for the rest. Raises OutOfBlocks, holding nothing, unless `keep_free`
+        blocks are left over (capacity.admission_blocks: the rule admission and resumption
+        share)."""
+        kv = cls(pool)
+        if reuse:
+            kv.reuse(token_ids)
+        need = admission_blocks(len(token_ids), len(kv.table), pool.block_size)
+        try:
+            if need + keep_free > pool.available:
+                free = max(0, pool.available - keep_free)
+                raise OutOfBlocks(
+                    f"needs {need} KV blocks of {pool.block_size} tokens, {free} are free"
+                )
+            kv.reserve(len(token_ids) + 1)
+        except OutOfBlocks:
+            kv.free()
+            raise
+        return kv
 
     @property
     def capacity(self) -> int:

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from ..common.capacity import admission_blocks
 from ..common.flat_model import FlatModel, OutOfBlocks, SequenceKV
 from ..common.kv_cache import KVPool
 
@@ -96,22 +95,14 @@ class Admission:
                 raise Refused("the batch-class slots are full")
             if self.resuming:
                 raise Refused(f"{self.resuming} preempted sequences wait for KV room first")
-            kv = SequenceKV(self.pool)
-            cached = kv.reuse(token_ids) if self.prefix_cache else 0
-            size = self.pool.block_size
-            need = admission_blocks(len(token_ids), len(kv.table), size)
-            free = self._free()
+            keep_free = self.watermark_blocks if self._grants else 0
             try:
-                if need > free:
-                    raise Refused(f"needs {need} KV blocks of {size} tokens, {free} are free")
-                kv.reserve(len(token_ids) + 1)
-            except OutOfBlocks as e:  # the loop took blocks meanwhile
-                kv.free()
+                kv = SequenceKV.start(
+                    self.pool, token_ids, reuse=self.prefix_cache, keep_free=keep_free
+                )
+            except OutOfBlocks as e:
                 raise Refused(str(e)) from e
-            except Refused:
-                kv.free()
-                raise
-            grant = Grant(kv, priority, cached)
+            grant = Grant(kv, priority, kv.length)
             self._grants[rid] = grant
             return grant
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ..common.capacity import admission_blocks
 from ..common.flat_model import OutOfBlocks, SequenceKV
 from ..common.kv_cache import KVPool
 from ..common.tree import DraftTree
@@ -103,16 +102,9 @@ def resume_waiting(
 def resume(seq: Sequence, pool: KVPool, prefix_cache: bool, watermark: int = 0) -> bool:
     """Gives a preempted sequence the blocks of its tokens (cached ones by reference) if they
     are free with `watermark` blocks left over; False (nothing taken) if not."""
-    kv = SequenceKV(pool)
-    if prefix_cache:
-        kv.reuse(seq.all_ids)
-    need = admission_blocks(len(seq.all_ids), len(kv.table), pool.block_size)
     try:
-        if need + watermark > pool.available:
-            raise OutOfBlocks(f"{need} blocks needed")
-        kv.reserve(len(seq.all_ids) + 1)
+        seq.kv = SequenceKV.start(pool, seq.all_ids, reuse=prefix_cache, keep_free=watermark)
     except OutOfBlocks:
-        kv.free()
         return False
-    seq.kv, seq.preempted = kv, False
+    seq.preempted = False
     return True
