@@ -8,9 +8,10 @@ The verifier's real Engine, Admission and block pool (in this process, against a
 redis-server), with SmolLM2-135M as the target (`specserve models fetch
 smollm2-135m-instruct@0.1.2` first) or, with --tiny, a tiny random Qwen2 (the steps and the
 concurrency are the same: they follow from the rule and the workload, not the weights), float32
-by default, plain decoding. A seeded mixed workload: prompts of 100-2,000 tokens, outputs of 50-2,000, and max_tokens as generous as the
-context allows (max_seq_len less the prompt), as clients set it. A request ends at its
-output length, as if it had met its EOS there: the admission rule never knows when that is.
+by default, plain decoding. A seeded mixed workload: prompts of 100-2,000 tokens, outputs of
+50-2,000, and max_tokens as generous as the context allows (max_seq_len less the prompt), as
+clients set it. A request ends at its output length, as if it had met its EOS there: the
+admission rule never knows when that is.
 Requests arrive all at once and are admitted first in, first out, whenever they fit.
 
 Two admission rules over the same pool, workload and engine:

@@ -11,9 +11,9 @@ from torch import nn
 from conftest import DEVICE, NOISE, default_target_dir, save_tiny_qwen
 from specserve.common import models, quant
 from specserve.common.flat_model import FlatModel, Segment
+from specserve.common.proposers.base import TreeShape
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
 from specserve.drafter.draft_model import DraftModelProposer
-from specserve.drafter.proposer import TreeShape
 from specserve.verifier.sequence import common_prefix
 
 KINDS = ["int8", "int4"]

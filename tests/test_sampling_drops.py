@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from conftest import DEVICE
 from specserve.common.flat_model import FlatModel
+from specserve.common.proposers.base import DraftJob, TreeShape
 from specserve.common.tree import DraftTree
 from specserve.drafter.draft_model import DraftModelProposer
-from specserve.drafter.proposer import DraftJob, TreeShape
 from specserve.verifier.acceptance import accept
 from specserve.verifier.sampling import SamplingParams, target_probs
 

@@ -8,10 +8,11 @@ import torch
 
 from helpers import make_sequence
 from specserve.common.flat_model import FlatModel
+from specserve.common.proposers.base import DraftJob, TreeShape
+from specserve.common.proposers.ngram import NgramProposer
+from specserve.common.proposers.suffix import SharedOutputs, SuffixProposer
 from specserve.drafter.draft_model import DraftModelProposer
 from specserve.drafter.hybrid import HybridProposer
-from specserve.drafter.ngram import NgramProposer
-from specserve.drafter.proposer import DraftJob, TreeShape
 from specserve.verifier.acceptance import accept
 from specserve.verifier.reference import hf_greedy
 from specserve.verifier.runner import ModelRunner
@@ -50,6 +51,10 @@ def speculative_greedy(target, proposer, prompts, max_tokens: int, budget: int, 
             verdict = accept(tree, logits, seq.params, None)
             runner.commit(seq, tree, verdict.accepted)
             seq.extend(verdict.tokens, finished)
+        for seq in active:
+            if finished(seq):  # what the drafter does when told a sequence completed
+                proposer.learn("tenant", seq.output_ids)
+                proposer.forget(seq.request_id)
         active = [s for s in active if not finished(s)]
         steps += 1
     return [s.output_ids for s in seqs], steps
@@ -68,10 +73,15 @@ PROPOSERS = {
     "draft-same": lambda target, draft, shape: draft_model_proposer(target, shape),
     "draft-other": lambda target, draft, shape: draft_model_proposer(draft, shape),
     "ngram": lambda target, draft, shape: NgramProposer(shape),
+    "suffix": lambda target, draft, shape: suffix_proposer(),
     "hybrid": lambda target, draft, shape: HybridProposer(
-        NgramProposer(shape), draft_model_proposer(draft, shape), trust_ngram=2
+        suffix_proposer(), draft_model_proposer(draft, shape)
     ),
 }
+
+
+def suffix_proposer() -> SuffixProposer:
+    return SuffixProposer(SharedOutputs(tokens_per_tenant=4096, tenants=4))
 SHAPES = {
     "chain": TreeShape(max_depth=64, branching=1, width=1),
     "tree": TreeShape(max_depth=8, branching=3, width=4),
@@ -94,6 +104,22 @@ def test_greedy_output_is_the_targets(
         assert out == references[i]
     if proposer == "draft-same" and shape == "chain" and budget >= 5:  # a perfect draft
         assert steps < max(len(o) for o in outputs) / 2
+
+
+@pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
+def test_outputs_learned_across_requests_keep_greedy_exact_and_cut_steps(
+    tiny_model, tiny_draft, tokenizer, references, proposer
+):
+    """The same prompts again, with the first round's outputs in the tenant's index: every
+    output is still the target's, and the second round takes fewer steps."""
+    prop = PROPOSERS[proposer](tiny_model, tiny_draft, SHAPES["tree"])
+    eos = tokenizer.eos_token_id
+    first, first_steps = speculative_greedy(tiny_model, prop, PROMPTS[:3], 40, 32, eos)
+    again, again_steps = speculative_greedy(tiny_model, prop, PROMPTS[:3], 40, 32, eos)
+    for i in range(3):
+        assert first[i] == again[i] == references[i]
+    assert again_steps < first_steps
+    assert prop.shared.tokens() > 0 if proposer == "suffix" else prop.suffix.shared.tokens() > 0
 
 
 def test_draft_cache_resyncs_after_a_rollback(tiny_model):

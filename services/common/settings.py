@@ -328,7 +328,18 @@ class VerifierSettings(ServiceSettings):
         default=True, description="Also use the drafters registered in Redis (added live)."
     )
     verification_tree_size: int = Field(
-        default=8, ge=0, le=256, description="Draft tree nodes per sequence per step."
+        default=8,
+        ge=0,
+        le=256,
+        description="Most nodes per sequence per step of a tree a draft model grows.",
+    )
+    deep_tree_size: int = Field(
+        default=64,
+        ge=0,
+        le=256,
+        description="Most nodes per sequence per step of a model-free tree (a suffix or n-gram "
+        "match: no draft pass), so copying sequences draft deep; adaptive: within it, as far "
+        "as the nodes pay for their verification.",
     )
     draft_timeout_seconds: float = Field(
         default=5.0, gt=0, description="A step's drafts arriving later than this are not used."
@@ -383,7 +394,11 @@ class DrafterSettings(ServiceSettings):
     pool: Literal["stable", "canary"] = Field(
         default="stable", description="Rollout pool: only verifiers of this pool draft with it."
     )
-    proposer: Literal["draft_model", "ngram", "hybrid"] = "draft_model"
+    proposer: Literal["draft_model", "ngram", "suffix", "hybrid"] = Field(
+        default="hybrid",
+        description="hybrid: per sequence and step, the suffix tree or the draft model, "
+        "whichever is expected to have more tokens accepted.",
+    )
     draft_model: ModelRef = ModelRef(name="qwen2.5-coder-0.5b-instruct", version="0.9.0")
     draft_model_path: str | None = Field(default=None, description="Overrides draft_model.")
     device: Device = "cpu"
@@ -409,8 +424,35 @@ class DrafterSettings(ServiceSettings):
     ngram_depth: int = Field(
         default=10, ge=1, le=256, description="Longest continuation an n-gram match proposes."
     )
-    trust_ngram: int = Field(
-        default=3, ge=1, description="hybrid: suffix match length from which n-gram drafts win."
+    suffix_max_depth: int = Field(
+        default=64, ge=1, le=256, description="Deepest suffix-tree draft (long matches)."
+    )
+    suffix_max_match: int = Field(
+        default=32, ge=1, le=1024, description="Longest history suffix the suffix tree matches."
+    )
+    suffix_depth_factor: float = Field(
+        default=2.0, gt=0, description="Suffix draft depth per matched token (then max_depth)."
+    )
+    suffix_min_match: int = Field(
+        default=2, ge=1, description="Shortest matched suffix the suffix tree drafts from."
+    )
+    suffix_min_token_prob: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="Suffix-tree children followed by a smaller share of the occurrences are cut.",
+    )
+    suffix_scope: Literal["tenant", "global", "none"] = Field(
+        default="tenant",
+        description="Whose completed outputs shape a request's suffix drafts: its tenant's "
+        "(default), every tenant's (one trust domain only: acceptance speed would tell one "
+        "tenant what others generated), or none.",
+    )
+    suffix_tenant_tokens: int = Field(
+        default=65536, ge=0, description="Completed-output tokens kept per tenant (oldest go)."
+    )
+    suffix_tenants: int = Field(
+        default=16, ge=1, description="Tenants whose outputs are kept (least recent go)."
     )
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ class DraftTree:
     token_ids: list[int] = field(default_factory=list)  # [nodes]
     parents: list[int] = field(default_factory=list)  # [nodes], -1 = root
     dists: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    model_free: bool = False  # drawn by no model (a suffix or n-gram match): costs no draft pass
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -62,6 +63,17 @@ class DraftTree:
             node = self.parents[node]
         return tokens[::-1]
 
+    def matched(self, tokens: list[int]) -> int:
+        """How many of `tokens` follow one path of the tree from the root: after a step, the
+        draft tokens the target kept (its own next token then matches no child)."""
+        kids, node, n = self.children(), -1, 0
+        for token in tokens:
+            node = next((c for c in kids.get(node, []) if self.token_ids[c] == token), None)
+            if node is None:
+                break
+            n += 1
+        return n
+
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError when the tree is malformed (it came over the network)."""
         if len(self.parents) != len(self.token_ids):
@@ -84,6 +96,7 @@ def to_proto(tree: DraftTree, msg) -> None:
     """Fills a specserve.v1.DraftTree message."""
     msg.token_ids.extend(tree.token_ids)
     msg.parent_indices.extend(tree.parents)
+    msg.model_free = tree.model_free
     for node, (ids, probs) in tree.dists.items():
         msg.distributions.add(node_index=node, token_ids=ids, probs=probs)
 
@@ -93,4 +106,5 @@ def from_proto(msg) -> DraftTree:
         token_ids=list(msg.token_ids),
         parents=list(msg.parent_indices),
         dists={d.node_index: (list(d.token_ids), list(d.probs)) for d in msg.distributions},
+        model_free=msg.model_free,
     )

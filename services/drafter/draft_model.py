@@ -17,10 +17,10 @@ import torch
 
 from ..common import models
 from ..common.flat_model import FlatModel, Segment, SequenceKV
+from ..common.proposers.base import DraftJob, Proposer, TreeShape, shape_of
 from ..common.settings import DrafterSettings, ModelRef
 from ..common.tree import DraftTree
 from .metrics import COMPILED_GRAPHS
-from .proposer import DraftJob, Proposer, TreeShape, shape_of
 
 
 @dataclass

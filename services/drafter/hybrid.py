@@ -1,47 +1,99 @@
-"""The `hybrid` proposer: n-gram where the history repeats itself, the draft model elsewhere."""
+"""The `hybrid` proposer: per sequence and step, the suffix tree's draft or the draft model's,
+whichever is expected to have more tokens accepted."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+from ..common.proposers.base import DraftJob, Proposer
+from ..common.proposers.suffix import SuffixProposer
 from ..common.settings import DrafterSettings
 from ..common.tree import DraftTree
 from .draft_model import DraftModelProposer
-from .ngram import NgramProposer
-from .proposer import DraftJob, Proposer
+
+PRIOR_MODEL_ACCEPTED = 1.5  # draft tokens a draft-model tree gets accepted, before measuring
+SEQUENCE_WEIGHT = 0.3  # of a step in a sequence's running mean
+SERVICE_WEIGHT = 0.05  # of a step in the drafter-wide means
+
+
+@dataclass
+class _Proposed:
+    tree: DraftTree
+    history: int  # tokens of the history it was drafted after
+    predicted: float  # the suffix tree's expected accepted tokens (model trees: unused)
 
 
 class HybridProposer(Proposer):
-    """N-gram drafts where the history predicts itself (a suffix of at least `trust_ngram`
-    tokens occurred before: copying code or quotes), the draft model everywhere else. Steps
-    that copy cost no draft forward pass at all."""
+    """The suffix tree's expectation is its score (the sum of its nodes' path frequencies),
+    scaled by how well scores have predicted acceptance so far on this drafter; the draft
+    model's is the sequence's running mean of accepted tokens on its draft-model steps
+    (before its first: the drafter-wide mean). What was accepted is read off the next message:
+    the new tokens that follow a path of the tree proposed for them.
+
+    Steps that take the suffix tree cost no draft forward pass, and may go as deep as the
+    verifier's `deep_budget`; the draft model's trees stay within `budget`."""
 
     name = "hybrid"
 
-    def __init__(self, ngram: NgramProposer, draft: DraftModelProposer, trust_ngram: int = 3):
-        self.ngram, self.draft, self.trust_ngram = ngram, draft, trust_ngram
+    def __init__(self, suffix: SuffixProposer, draft: DraftModelProposer):
+        self.suffix, self.draft = suffix, draft
+        self.proposed: dict[str, _Proposed] = {}
+        self.model_accepted: dict[str, float] = {}  # per sequence
+        self.service_model_accepted = PRIOR_MODEL_ACCEPTED
+        self.suffix_actual = self.suffix_predicted = 1.0  # running sums: the calibration
 
     @classmethod
     def from_settings(cls, settings: DrafterSettings) -> HybridProposer:
         return cls(
-            NgramProposer.from_settings(settings),
-            DraftModelProposer.from_settings(settings),
-            settings.trust_ngram,
+            SuffixProposer.from_settings(settings), DraftModelProposer.from_settings(settings)
         )
 
+    @property
+    def calibration(self) -> float:
+        return self.suffix_actual / self.suffix_predicted
+
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
-        looked_up = [self.ngram.lookup(job.tokens, job.budget) for job in jobs]
-        copying = [len(tree) > 0 and n >= self.trust_ngram for tree, n in looked_up]
-        drafted = self.draft.propose(
-            [
-                replace(job, budget=0) if copy else job
-                for job, copy in zip(jobs, copying, strict=True)
-            ]
-        )
-        return [
-            lookup[0] if copy else tree
-            for lookup, copy, tree in zip(looked_up, copying, drafted, strict=True)
+        for job in jobs:
+            self._observe(job)
+        suffixed = [self.suffix.propose_one(job) for job in jobs]
+        use_suffix = [
+            len(tree) > 0 and (job.budget == 0 or score * self.calibration >= self._model(job))
+            for job, (tree, score) in zip(jobs, suffixed, strict=True)
         ]
+        drafted = self.draft.propose(
+            [replace(job, budget=0) if s else job for job, s in zip(jobs, use_suffix, strict=True)]
+        )
+        trees = []
+        for job, (tree, score), s, model_tree in zip(
+            jobs, suffixed, use_suffix, drafted, strict=True
+        ):
+            chosen = tree if s else model_tree
+            self.proposed[job.seq_id] = _Proposed(chosen, len(job.tokens), score)
+            trees.append(chosen)
+        return trees
+
+    def _model(self, job: DraftJob) -> float:
+        return self.model_accepted.get(job.seq_id, self.service_model_accepted)
+
+    def _observe(self, job: DraftJob) -> None:
+        """Updates the means with what the target kept of the sequence's last tree."""
+        last = self.proposed.pop(job.seq_id, None)
+        if last is None or len(last.tree) == 0 or len(job.tokens) <= last.history:
+            return
+        accepted = last.tree.matched(job.tokens[last.history :])
+        if last.tree.model_free:
+            self.suffix_actual += SERVICE_WEIGHT * (accepted - self.suffix_actual)
+            self.suffix_predicted += SERVICE_WEIGHT * (last.predicted - self.suffix_predicted)
+            return
+        mean = self._model(job)
+        self.model_accepted[job.seq_id] = mean + SEQUENCE_WEIGHT * (accepted - mean)
+        self.service_model_accepted += SERVICE_WEIGHT * (accepted - self.service_model_accepted)
 
     def forget(self, seq_id: str) -> None:
         self.draft.forget(seq_id)
+        self.suffix.forget(seq_id)
+        self.proposed.pop(seq_id, None)
+        self.model_accepted.pop(seq_id, None)
+
+    def learn(self, tenant: str, output: list[int]) -> None:
+        self.suffix.learn(tenant, output)

@@ -4,20 +4,30 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 
 import torch
 
 from ..common import telemetry
 from ..common.grpc_server import Server
+from ..common.proposers.base import DraftJob, Proposer
 from ..common.settings import DrafterSettings
 from ..common.store import RequestStore, heartbeat_forever, now_ms
 from ..common.tree import to_proto
 from ..v1 import drafter_pb2, drafter_pb2_grpc
 from . import metrics
-from .proposer import DraftJob, Proposer
 from .proposers import PROPOSERS
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    """What a stream has told of one sequence."""
+
+    tokens: list[int] = field(default_factory=list)  # the accepted history
+    tenant: str = ""
+    prompt_len: int = 0
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
@@ -26,36 +36,54 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self._lock = threading.Lock()  # one proposal at a time: the cores are shared anyway
 
     def Speculate(self, request_iterator, context):
-        histories: dict[str, list[int]] = {}  # sequence id -> accepted tokens, this stream
+        held: dict[str, _Held] = {}  # sequence id -> what this stream told of it
         try:
             for request in request_iterator:
-                yield self.answer(request, histories)
+                yield self.answer(request, held)
         finally:
             with self._lock:
-                for seq_id in histories:
+                for seq_id in held:
                     self.proposer.forget(seq_id)
 
-    def answer(self, request: drafter_pb2.DraftRequest, histories) -> drafter_pb2.DraftResponse:
+    def _finished(self, seq: _Held | None, delta: drafter_pb2.SequenceDelta) -> None:
+        """The sequence ended or moved away. One that completed (its last tokens come with
+        the message) leaves its output to the proposer, for its tenant's later drafts."""
+        with self._lock:
+            if delta.completed and seq is not None and delta.accepted_len <= len(seq.tokens):
+                del seq.tokens[delta.accepted_len :]
+                seq.tokens.extend(delta.new_token_ids)
+                self.proposer.learn(seq.tenant, seq.tokens[seq.prompt_len :])
+            self.proposer.forget(delta.sequence_id)
+
+    def answer(self, request: drafter_pb2.DraftRequest, held) -> drafter_pb2.DraftResponse:
         response = drafter_pb2.DraftResponse(step=request.step)
         jobs = []
         for delta in request.sequences:
             sid = delta.sequence_id
             if delta.finished:
-                histories.pop(sid, None)
-                with self._lock:
-                    self.proposer.forget(sid)
+                self._finished(held.pop(sid, None), delta)
                 continue
-            history = histories.setdefault(sid, [])
-            if delta.accepted_len > len(history):  # state lost (restart): ask for all of it
-                histories.pop(sid)
-                response.resync_ids.append(sid)
+            seq = held.get(sid)
+            if delta.accepted_len == 0:  # a sequence's first message says whose it is
+                seq = held[sid] = _Held(tenant=delta.tenant, prompt_len=delta.prompt_len)
+            if seq is None or delta.accepted_len > len(seq.tokens):  # state lost (restart)
+                held.pop(sid, None)
+                response.resync_ids.append(sid)  # the verifier resends all of it
                 metrics.RESYNCS.inc()
                 continue
-            del history[delta.accepted_len :]
-            history.extend(delta.new_token_ids)
-            if delta.budget > 0:
+            del seq.tokens[delta.accepted_len :]
+            seq.tokens.extend(delta.new_token_ids)
+            if delta.budget > 0 or delta.deep_budget > 0:
                 jobs.append(
-                    DraftJob(sid, history, delta.budget, delta.temperature, delta.draw_seed)
+                    DraftJob(
+                        sid,
+                        seq.tokens,
+                        delta.budget,
+                        delta.temperature,
+                        delta.draw_seed,
+                        deep_budget=delta.deep_budget,
+                        tenant=seq.tenant,
+                    )
                 )
         if jobs:
             parent = telemetry.from_traceparent(request.traceparent)

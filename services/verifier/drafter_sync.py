@@ -29,7 +29,8 @@ class DrafterSync:
 
     def __init__(self):
         self._synced: dict[str, _Synced] = {}
-        self._finished: dict[str, list[str]] = {}  # drafter address -> ended sequences
+        # drafter address -> what to tell it of sequences that ended or moved away
+        self._finished: dict[str, list[drafter_pb2.SequenceDelta]] = {}
         self.step = 0
         self.largest_delta = 0  # most new tokens one sequence sent this step
 
@@ -56,19 +57,19 @@ class DrafterSync:
         self,
         client: DrafterClient,
         seqs: list[Sequence],
-        budgets: list[int],
+        budgets: list[tuple[int, int]],
         drafters: Container[str],
     ) -> drafter_pb2.DraftRequest:
         """What changed for these sequences since this drafter's stream (open) last heard of
-        them; the other `drafters` still known are told of sequences that moved away."""
+        them, with each one's (budget, deep budget); the other `drafters` still known are told
+        of sequences that moved away."""
         request = drafter_pb2.DraftRequest(step=self.step, traceparent=telemetry.traceparent())
-        for rid in self._finished.pop(client.address, []):
-            request.sequences.add(sequence_id=rid, finished=True)
-        for seq, budget in zip(seqs, budgets, strict=True):
+        request.sequences.extend(self._finished.pop(client.address, []))
+        for seq, (budget, deep) in zip(seqs, budgets, strict=True):
             synced = self._synced.get(seq.request_id)
             moved = synced and synced.address != client.address
             if moved and synced.address in drafters:  # the old drafter forgets it
-                self._finished.setdefault(synced.address, []).append(seq.request_id)
+                self._tell(synced.address, seq.request_id)
             same = synced and synced.address == client.address and synced.epoch == client.epoch
             held = synced.length if same else 0
             ids = seq.all_ids
@@ -78,8 +79,11 @@ class DrafterSync:
                 new_token_ids=ids[held:],
                 accepted_len=held,
                 budget=budget,
+                deep_budget=deep,
                 temperature=seq.params.temperature,
             )
+            if held == 0:
+                delta.tenant, delta.prompt_len = seq.tenant, len(seq.prompt_ids)
             if seq.generator is not None:
                 gen = seq.generator
                 delta.draw_seed = int(torch.randint(2**62, (), generator=gen, device=gen.device))
@@ -92,8 +96,23 @@ class DrafterSync:
         for rid in request_ids:
             self._synced.pop(rid, None)
 
-    def forget(self, request_id: str) -> None:
-        """The sequence ended: its drafter is told with the next message to it."""
-        synced = self._synced.pop(request_id, None)
-        if synced is not None:
-            self._finished.setdefault(synced.address, []).append(request_id)
+    def forget(self, seq: Sequence, completed: bool) -> None:
+        """The sequence left this verifier: its drafter is told with the next message to it.
+        One that `completed` comes with the tokens the drafter has not heard of: its whole
+        output then shapes its tenant's drafts."""
+        synced = self._synced.pop(seq.request_id, None)
+        if synced is not None and not completed:
+            self._tell(synced.address, seq.request_id)
+        elif synced is not None:
+            ids = seq.all_ids
+            self._tell(
+                synced.address,
+                seq.request_id,
+                new_token_ids=ids[synced.length :],
+                accepted_len=synced.length,
+                completed=True,
+            )
+
+    def _tell(self, address: str, request_id: str, **ended) -> None:
+        delta = drafter_pb2.SequenceDelta(sequence_id=request_id, finished=True, **ended)
+        self._finished.setdefault(address, []).append(delta)

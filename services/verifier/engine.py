@@ -320,7 +320,10 @@ class Engine:
         if len(tree):  # the path was checked up to its first rejection, if it had one
             levels = max(tree.depths()) + 1
             self.speculator.observe_acceptance(
-                seq, len(verdict.accepted), len(verdict.accepted) + (len(verdict.accepted) < levels)
+                seq,
+                tree,
+                len(verdict.accepted),
+                len(verdict.accepted) + (len(verdict.accepted) < levels),
             )
         seq.accepted += accepted
         seq.steps += 1

@@ -22,6 +22,7 @@ sequence would draft; see Speculator.budgets.)
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -117,18 +118,43 @@ class AdaptivePolicy:
     def __init__(self, max_budget: int, cost: CostModel | None = None):
         self.max_budget = max_budget
         self.cost = cost or CostModel()
-        self.service_alpha = PRIOR_ACCEPTANCE
+        self.service_alpha = PRIOR_ACCEPTANCE  # of draft-model trees
+        self.service_free_alpha = PRIOR_ACCEPTANCE  # of model-free trees (suffix, n-gram)
         self.steps = 0
 
-    def alpha(self, accepted: int, tested: int) -> float:
-        """A sequence's acceptance rate, smoothed towards the service-wide one."""
-        return (accepted + PRIOR_WEIGHT * self.service_alpha) / (tested + PRIOR_WEIGHT)
+    def alpha(self, accepted: int, tested: int, free: bool = False) -> float:
+        """A sequence's acceptance rate, smoothed towards the service-wide one (of its trees'
+        kind: drawn by the draft model, or model-free)."""
+        prior = self.service_free_alpha if free else self.service_alpha
+        return (accepted + PRIOR_WEIGHT * prior) / (tested + PRIOR_WEIGHT)
 
-    def observe_acceptance(self, accepted: int, tested: int) -> None:
+    def observe_acceptance(self, accepted: int, tested: int, free: bool = False) -> None:
         """One sequence's step: `tested` draft tokens checked, `accepted` kept."""
         if tested:
             rate = accepted / tested
-            self.service_alpha += 0.02 * (rate - self.service_alpha)
+            if free:
+                self.service_free_alpha += 0.02 * (rate - self.service_free_alpha)
+            else:
+                self.service_alpha += 0.02 * (rate - self.service_alpha)
+
+    def deep_budgets(self, candidates: list[Candidate], rate: float) -> list[int]:
+        """Budgets of model-free trees, which cost no draft pass, only their verification: the
+        deepest k whose last node still pays, alpha^k >= b x rate (the tokens the node is
+        expected to add against those the step's rate loses in the node's verify time b)."""
+        lost = self.cost.coef.b * rate
+        budgets = []
+        for c in candidates:
+            if c.pinned or c.alpha >= 1.0 or lost <= 0.0:
+                budgets.append(c.cap)
+            elif lost >= 1.0 or c.alpha <= 0.0:
+                budgets.append(0)
+            else:
+                budgets.append(min(c.cap, int(math.log(lost) / math.log(c.alpha))))
+        return budgets
+
+    def rate(self, candidates: list[Candidate], ks: list[int], other_tokens: int) -> float:
+        """Expected emitted tokens per second of a step with budgets ks."""
+        return self._rate(candidates, ks, other_tokens)
 
     def budgets(self, candidates: list[Candidate], other_tokens: int) -> list[int]:
         """Budgets that maximise expected tokens per second; other_tokens are tokens in the

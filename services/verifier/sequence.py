@@ -30,6 +30,7 @@ class Sequence:
     speculate: bool = True  # False when the request pinned speculation off
     tree_size: int | None = None  # the request's fixed tree size, if it set one
     session_id: str = ""
+    tenant: str = ""  # whose earlier outputs may shape its drafts
     deadline_ms: int = 0  # unix ms after which the request stops (0: none)
     trace_ctx: Any = None  # the request's trace context here (its Admit span), if traced
     restored: int = 0  # output tokens generated before this verifier took the request over
@@ -50,6 +51,8 @@ class Sequence:
     drafted: int = 0  # draft nodes proposed to the target
     accepted: int = 0  # draft tokens the target accepted (and were emitted)
     tested: int = 0  # draft tokens the target checked: accepted ones and first rejections
+    free_accepted: int = 0  # of accepted and tested: those of model-free trees (suffix, n-gram)
+    free_tested: int = 0
     fallback_steps: int = 0
     prefill_ms: float = 0.0
     first_token_ms: float = 0.0  # unix ms of the first generated token

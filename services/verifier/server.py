@@ -54,6 +54,7 @@ def sequence_from_record(rec, restored: list[int]) -> Sequence:
         speculate=speculation.get("mode") != "SPECULATION_MODE_OFF",
         tree_size=int(speculation["tree_size"]) if "tree_size" in speculation else None,
         session_id=spec.get("session_id", ""),
+        tenant=spec.get("tenant", ""),
         deadline_ms=int(spec.get("deadline_unix_ms", 0)),
         output_ids=list(restored),
         num_emitted=len(restored),

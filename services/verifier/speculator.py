@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import time
 
+from ..common.proposers.base import TreeShape
+from ..common.proposers.ngram import NgramProposer
 from ..common.settings import VerifierSettings
 from ..common.tree import DraftTree, from_proto
-from ..drafter.ngram import NgramProposer
-from ..drafter.proposer import TreeShape
 from . import metrics
 from .drafter_client import DraftUnavailable
 from .drafter_pool import DrafterPool
@@ -35,6 +35,7 @@ class Speculator:
     def __init__(self, settings: VerifierSettings, vocab_size: int, discover=None):
         self.enabled = settings.speculative_decoding
         self.tree_size = settings.verification_tree_size
+        self.deep_tree_size = settings.deep_tree_size
         self.timeout = settings.draft_timeout_seconds
         self.max_seq_len = settings.max_seq_len
         self.vocab_size = vocab_size
@@ -55,24 +56,28 @@ class Speculator:
         )
         self.sync = DrafterSync()
 
-    def cap(self, seq: Sequence) -> int:
-        """Most tree nodes a sequence may get: none when off, and never more than could be
-        emitted (so the KV reservation holds).
+    def cap(self, seq: Sequence, size: int | None = None) -> int:
+        """Most tree nodes a sequence may get (`size`, or verification_tree_size): none when
+        off, and never more than could be emitted (so the KV reservation holds).
 
         None while the prompt is prefilled either: the first token then does not wait for the
         drafter to prefill the prompt too (that happens with the second step)."""
         if not (self.enabled and seq.speculate) or seq.prefilling:
             return 0
-        size = self.tree_size if seq.tree_size is None else min(seq.tree_size, 256)
+        size = self.tree_size if size is None else size
+        if seq.tree_size is not None:
+            size = min(seq.tree_size, 256)
         generated = len(seq.output_ids)
         room = min(seq.max_tokens - generated, self.max_seq_len - len(seq.prompt_ids) - generated)
         return max(0, min(size, room - 1))
 
     def budgets(
         self, seqs: list[Sequence], other_tokens: int = 0, first_token: bool = False
-    ) -> list[int]:
-        """This step's tree size per sequence: its cap (fixed policy, or a pinned size), or
-        what the adaptive policy chooses within it.
+    ) -> list[tuple[int, int]]:
+        """This step's (budget, deep budget) per sequence: the most nodes of a tree a draft
+        model grows, and of a model-free one (a suffix or n-gram match, which costs no draft
+        pass and may go deeper). Fixed policy, or a pinned size: the caps. Adaptive: what the
+        policy chooses within them.
 
         On a step that gives an interactive request its first token (`first_token`), that
         token would wait for the drafts of the others: with at most one other sequence
@@ -80,18 +85,29 @@ class Speculator:
         is worth about what one sequence's speculation gains in a step); with more, the
         others' loss outweighs it and they draft as usual."""
         caps = [self.cap(s) for s in seqs]
-        if self.policy is None or not any(caps):
-            return caps
+        deep_caps = [self.cap(s, self.deep_tree_size) for s in seqs]
+        if self.policy is None or not any(deep_caps):
+            return list(zip(caps, deep_caps, strict=True))
         pinned = [s.tree_size is not None for s in seqs]
-        if first_token and sum(cap > 0 for cap in caps) <= 1:
-            return [cap if pin else 0 for cap, pin in zip(caps, pinned, strict=True)]
-        return self.policy.budgets(
-            [
-                Candidate(cap, self.policy.alpha(s.accepted, s.tested), pin)
-                for s, cap, pin in zip(seqs, caps, pinned, strict=True)
-            ],
-            other_tokens,
-        )
+        if first_token and sum(cap > 0 for cap in deep_caps) <= 1:
+            return [
+                (cap, deep) if pin else (0, 0)
+                for cap, deep, pin in zip(caps, deep_caps, pinned, strict=True)
+            ]
+        policy = self.policy
+        model = [
+            Candidate(
+                cap, policy.alpha(s.accepted - s.free_accepted, s.tested - s.free_tested), pin
+            )
+            for s, cap, pin in zip(seqs, caps, pinned, strict=True)
+        ]
+        ks = policy.budgets(model, other_tokens)
+        free = [
+            Candidate(cap, policy.alpha(s.free_accepted, s.free_tested, free=True), pin)
+            for s, cap, pin in zip(seqs, deep_caps, pinned, strict=True)
+        ]
+        deep = policy.deep_budgets(free, policy.rate(model, ks, other_tokens))
+        return list(zip(ks, deep, strict=True))
 
     def observe_step(self, tokens: int, verify_seconds: float, prefill_tokens: int) -> None:
         """A step's forward pass took verify_seconds for `tokens` tokens. Only decode steps
@@ -100,10 +116,15 @@ class Speculator:
         if self.policy is not None and prefill_tokens == 0:
             self.policy.cost.observe_verify(tokens, verify_seconds)
 
-    def observe_acceptance(self, seq: Sequence, accepted: int, tested: int) -> None:
+    def observe_acceptance(
+        self, seq: Sequence, tree: DraftTree, accepted: int, tested: int
+    ) -> None:
         seq.tested += tested
+        if tree.model_free:
+            seq.free_accepted += accepted
+            seq.free_tested += tested
         if self.policy is not None:
-            self.policy.observe_acceptance(accepted, tested)
+            self.policy.observe_acceptance(accepted, tested, free=tree.model_free)
 
     def propose(
         self, seqs: list[Sequence], other_tokens: int = 0, first_token: bool = False
@@ -112,31 +133,33 @@ class Speculator:
         the step's prefill tokens, which the adaptive policy counts in the cost."""
         budgets = self.budgets(seqs, other_tokens, first_token)
         for budget in budgets:
-            metrics.TREE_BUDGET.observe(budget)
-        if not any(budgets) and not self.sync.has_finished:  # (ended sequences: tell drafters)
+            metrics.TREE_BUDGET.observe(max(budget))
+        if not any(map(any, budgets)) and not self.sync.has_finished:  # (tell drafters)
             return [DraftTree() for _ in seqs]
         trees: list[DraftTree | None] = [None] * len(seqs)
         if self.pool is not None:
             started = time.perf_counter()
             trees = self._ask_drafters(seqs, budgets)
             # Steady-state steps only: a drafter taking in a whole prompt (a new or moved
-            # sequence) costs once, not per level, and would skew the per-level cost.
-            steady = self.sync.largest_delta <= self.tree_size + 1
+            # sequence) costs once, not per level, and would skew the per-level cost. Levels
+            # are those of the draft model's trees: model-free ones cost no draft pass.
+            steady = self.sync.largest_delta <= self.deep_tree_size + 1
             if self.policy is not None and steady and all(t is not None for t in trees):
+                drawn = [k for (k, _), t in zip(budgets, trees, strict=True) if not t.model_free]
                 self.policy.cost.observe_draft(
-                    max(budgets), sum(b > 0 for b in budgets), time.perf_counter() - started
+                    max(drawn, default=0), sum(k > 0 for k in drawn), time.perf_counter() - started
                 )
-        for i, (seq, budget) in enumerate(zip(seqs, budgets, strict=True)):
+        for i, (seq, (_, deep)) in enumerate(zip(seqs, budgets, strict=True)):
             if trees[i] is None:
-                seq.fallback_steps += budget > 0
-                metrics.FALLBACK_STEPS.inc(budget > 0)
-                trees[i] = self._fallback(seq, budget)
+                seq.fallback_steps += deep > 0
+                metrics.FALLBACK_STEPS.inc(deep > 0)
+                trees[i] = self._fallback(seq, deep)
             seq.drafted += len(trees[i])
         return trees
 
     def forget(self, seq: Sequence) -> None:
         """The sequence ended: tell its drafter with the next message."""
-        self.sync.forget(seq.request_id)
+        self.sync.forget(seq, completed=seq.finish_reason is not None)
         if self.pool is not None:
             self.pool.release(seq.request_id)
 
@@ -145,7 +168,9 @@ class Speculator:
             return DraftTree()
         return self.fallback.propose_one(seq.all_ids, budget)
 
-    def _ask_drafters(self, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree | None]:
+    def _ask_drafters(
+        self, seqs: list[Sequence], budgets: list[tuple[int, int]]
+    ) -> list[DraftTree | None]:
         """Each sequence's tree from its drafter; None where that drafter failed, was late or
         none is usable. One message per drafter, all sent before any answer is awaited."""
         pool, sync = self.pool, self.sync
@@ -195,8 +220,9 @@ class Speculator:
                 groups[address] = []
         return groups
 
-    def _checked(self, msg, budget: int) -> DraftTree:
+    def _checked(self, msg, budgets: tuple[int, int]) -> DraftTree:
         tree = from_proto(msg) if msg is not None else DraftTree()
+        budget = budgets[tree.model_free]
         try:
             tree.validate(self.vocab_size)
             if len(tree) > budget:

@@ -4,9 +4,9 @@ deterministic."""
 
 from __future__ import annotations
 
-from ..common.settings import DrafterSettings
-from ..common.tree import DraftTree
-from .proposer import DraftJob, Proposer, TreeShape
+from ..settings import DrafterSettings
+from ..tree import DraftTree
+from .base import DraftJob, Proposer, TreeShape
 
 
 class NgramProposer(Proposer):
@@ -22,13 +22,15 @@ class NgramProposer(Proposer):
         return cls(shape, settings.ngram_min, settings.ngram_max)
 
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
-        return [self.propose_one(job.tokens, job.budget) for job in jobs]
+        return [self.propose_one(job.tokens, job.free_budget) for job in jobs]
 
     def forget(self, seq_id: str) -> None:
         """Nothing to free: the proposer keeps no state."""
 
     def propose_one(self, tokens: list[int], budget: int) -> DraftTree:
-        return self.lookup(tokens, budget)[0]
+        tree = self.lookup(tokens, budget)[0]
+        tree.model_free = True
+        return tree
 
     def lookup(self, tokens: list[int], budget: int) -> tuple[DraftTree, int]:
         """The tree from the longest suffix that occurred before, and that suffix's length."""

@@ -1,6 +1,7 @@
 """The proposer interface: given sequences' token histories, guess token trees for the
 verifier to check. What crosses it: a `DraftJob` per sequence in, a `DraftTree` per job out;
-a `TreeShape` bounds the trees."""
+a `TreeShape` bounds the trees a draft model grows, `DraftJob.budget` and
+`DraftJob.free_budget` their nodes."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..common.settings import DrafterSettings
-from ..common.tree import DraftTree
+from ..settings import DrafterSettings
+from ..tree import DraftTree
 
 
 @dataclass
@@ -18,9 +19,16 @@ class DraftJob:
 
     seq_id: str
     tokens: list[int]  # the whole accepted history: prompt + generated
-    budget: int  # most nodes
+    budget: int  # most nodes of a tree a draft model grows
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0  # for the random draws of sampling requests
+    deep_budget: int | None = None  # most nodes of a model-free tree; None: `budget`
+    tenant: str = ""  # whose earlier outputs may shape the drafts
+
+    @property
+    def free_budget(self) -> int:
+        """Most nodes of a model-free tree (a suffix or n-gram match)."""
+        return self.budget if self.deep_budget is None else self.deep_budget
 
 
 @dataclass(frozen=True)
@@ -50,3 +58,8 @@ class Proposer(ABC):
     @abstractmethod
     def forget(self, seq_id: str) -> None:
         """Frees whatever the proposer keeps for a sequence."""
+
+    def learn(self, tenant: str, output: list[int]) -> None:
+        """A sequence of `tenant` completed with `output`. A proposer that drafts from earlier
+        outputs keeps it; the others ignore it."""
+        return None
