@@ -293,3 +293,32 @@ def test_seeded_selection_is_reproducible_and_its_own():
     assert together == run([5, 6, 7])
     assert [step[0] for step in together] == [step[0] for step in run([5])]
     assert [step[0] for step in together] != [step[1] for step in together]
+
+
+def test_sampling_with_suffix_trees_matches_the_target_distribution():
+    """The suffix proposer's trees (point masses, branched by frequency, two levels here)
+    keep sampling exact: the first two emitted tokens are independent draws from p."""
+    from specserve.common.proposers.base import DraftJob
+    from specserve.common.proposers.suffix import SharedOutputs, SuffixProposer
+
+    proposer = SuffixProposer(SharedOutputs(1000, 1), min_match=1, min_token_prob=0.0)
+    for first, second in [(0, 1), (0, 2), (3, 1), (4, 5), (0, 1)]:
+        proposer.learn("", [5, first, second], 1)
+    tree, _ = proposer.propose_one(DraftJob("s", [2, 5], 16))
+    assert len(tree) > 4 and max(tree.depths()) == 1 and len(tree.children()[-1]) == 3
+    params = SamplingParams(temperature=1.0)
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros(V, V)
+    rows = P_LOGITS.repeat(len(tree) + 1, 1)
+    for _ in range(TRIALS // BATCH):
+        verdicts = select([Candidates(tree, rows, params, gen) for _ in range(BATCH)])
+        short = [v for v in verdicts if len(v.tokens) == 1]
+        rest = select([Candidates(DraftTree(), P_LOGITS[None], params, gen) for _ in short])
+        for verdict, more in zip(short, rest, strict=True):
+            verdict.tokens += more.tokens
+        for verdict in verdicts:
+            counts[verdict.tokens[0], verdict.tokens[1]] += 1
+    p = target_probs(P_LOGITS, params)
+    stat = chi_square(counts.flatten(), (p[:, None] * p[None, :]).flatten())
+    p_value = float(torch.special.gammaincc(torch.tensor(35 / 2), torch.tensor(stat / 2)))
+    assert p_value > 1e-4

@@ -97,3 +97,24 @@ def test_acceptance_estimates_move_from_the_prior_to_what_is_measured():
     for _ in range(500):
         policy.observe_acceptance(1, 10)
     assert policy.service_alpha == pytest.approx(0.1, abs=0.01)
+
+
+def test_model_free_trees_go_as_deep_as_their_acceptance_pays_for():
+    """Deep budgets: the last node must be expected to add more than the step's rate loses
+    in its verify time (alpha^k >= b x rate); pinned sizes and the cap still rule."""
+    policy = policy_with(0.25, 0.002, 0.05, 0.0, max_budget=6)
+    rate = 8.0  # tokens/s: each node costs 0.016 tokens of the step's rate
+    copying, prose = policy.deep_budgets([Candidate(64, 0.97), Candidate(64, 0.6)], rate)
+    assert copying == 64 and 0 < prose < 10  # 0.97^64 = 0.14; 0.6^k passes 0.016 at k = 8
+    assert policy.deep_budgets([Candidate(20, 0.97)], rate) == [20]  # the cap
+    assert policy.deep_budgets([Candidate(32, 0.1, pinned=True)], rate) == [32]
+    loaded = policy.deep_budgets([Candidate(64, 0.97)], 300.0)  # a big batch: nodes cost more
+    assert loaded[0] < 64
+
+
+def test_acceptance_of_model_free_trees_is_kept_apart():
+    policy = AdaptivePolicy(8)
+    for _ in range(200):
+        policy.observe_acceptance(9, 10, free=True)
+        policy.observe_acceptance(1, 10)
+    assert policy.alpha(0, 0, free=True) > 0.85 and policy.alpha(0, 0) < 0.15

@@ -60,8 +60,10 @@ def generate_all(stub, jobs: list[list[int]], max_tokens: int):
         ("draft_model", {"branching": 2, "width": 4}),
         ("draft_model", {"branching": 1, "width": 1}),
         ("ngram", {}),
+        ("suffix", {}),
+        ("hybrid", {"branching": 2, "width": 4}),
     ],
-    ids=["draft-tree", "draft-chain", "ngram"],
+    ids=["draft-tree", "draft-chain", "ngram", "suffix", "hybrid"],
 )
 def test_concurrent_greedy_requests_equal_the_targets_output(
     tmp_path, stub_of, tiny_model_dir, tiny_model, tokenizer, proposer, shape
@@ -112,6 +114,31 @@ def test_concurrent_greedy_requests_equal_the_targets_output(
             for _ in range(2)
         ]
         assert seeded[0] == seeded[1]
+    finally:
+        cluster.stop()
+
+
+def test_completed_outputs_draft_the_next_request(tmp_path, stub_of, tiny_model_dir, tiny_model):
+    """The drafter keeps a completed output (told with the verifier's last message for it),
+    and the same request again drafts from it: fewer steps, the same, exact output."""
+    cluster = start(
+        tmp_path,
+        tiny_model_dir,
+        tiny_model_dir,
+        drafter={"proposer": "suffix", "metrics_port": 0},
+        verifier={"deep_tree_size": 64},
+    )
+    try:
+        stub = stub_of(cluster)
+        ids = [9707, 11, 1879, 0, 358, 1079]
+        first = generate(stub, request(prompt_ids=ids, max_tokens=48))
+        # (the drafter hears that it completed with the next step's message)
+        again = generate(stub, request(prompt_ids=ids, max_tokens=48))
+        assert first.ids == again.ids == hf_greedy(tiny_model, ids, 48)
+        learned = scrape(cluster.procs["drafter"].metrics_port)["specserve_drafter_learned_tokens"]
+        assert learned >= len(first.ids)
+        assert again.final.speculation.steps < first.final.speculation.steps
+        assert again.final.speculation.steps <= 8  # deep drafts: 48 tokens in a few steps
     finally:
         cluster.stop()
 

@@ -53,7 +53,7 @@ def speculative_greedy(target, proposer, prompts, max_tokens: int, budget: int, 
             seq.extend(verdict.tokens, finished)
         for seq in active:
             if finished(seq):  # what the drafter does when told a sequence completed
-                proposer.learn("tenant", seq.output_ids)
+                proposer.learn("", seq.all_ids, len(seq.prompt_ids))
                 proposer.forget(seq.request_id)
         active = [s for s in active if not finished(s)]
         steps += 1
@@ -82,6 +82,8 @@ PROPOSERS = {
 
 def suffix_proposer() -> SuffixProposer:
     return SuffixProposer(SharedOutputs(tokens_per_tenant=4096, tenants=4))
+
+
 SHAPES = {
     "chain": TreeShape(max_depth=64, branching=1, width=1),
     "tree": TreeShape(max_depth=8, branching=3, width=4),

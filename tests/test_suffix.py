@@ -61,14 +61,14 @@ def test_depth_follows_the_match_length():
 def test_a_tenants_outputs_shape_only_its_own_drafts():
     prop = SuffixProposer(SharedOutputs(tokens_per_tenant=1000, tenants=8))
     answer = [40, 41, 42, 43, 44, 45, 46, 47]
-    prop.learn("acme", answer)
+    prop.learn("acme", [1, 2, *answer], 2)
     prompt = [9, 9, 40, 41, 42]
     tree, _ = prop.propose_one(DraftJob("r1", prompt, 16, tenant="acme"))
     assert tree.token_ids[:5] == answer[3:]
     other, _ = prop.propose_one(DraftJob("r2", prompt, 16, tenant="globex"))
     assert len(other) == 0
     shared = SuffixProposer(SharedOutputs(1000, 8, scope="global"))
-    shared.learn("acme", answer)
+    shared.learn("acme", answer, 0)
     tree, _ = shared.propose_one(DraftJob("r3", prompt, 16, tenant="globex"))
     assert tree.token_ids[:5] == answer[3:]
 
@@ -109,7 +109,7 @@ def test_adversarial_repetition_keeps_drafting_fast_and_memory_bounded():
     shared = SharedOutputs(tokens_per_tenant=20_000, tenants=2)
     prop = SuffixProposer(shared)
     for chunk in range(0, len(text), 10_000):
-        prop.learn("t", text[chunk : chunk + 10_000])
+        prop.learn("t", text[chunk : chunk + 10_000], 0)
     assert len(shared.get("t")) <= 20_000
     job = DraftJob("s", text, 64, tenant="t")
     prop.propose_one(job)  # indexes the 100k-token history once

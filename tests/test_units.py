@@ -105,10 +105,16 @@ def test_drafter_sync_sends_what_changed_and_tells_a_drafter_what_left_it():
 
     a, b = DrafterClient("a:1"), DrafterClient("b:1")
     sync, seq = DrafterSync(), make_sequence([1, 2, 3], rid="s")
+    seq.tenant = "acme"
 
     def sent(client: DrafterClient, seqs=(seq,)) -> list[tuple]:
         sync.next_step()
-        request = sync.request(client, list(seqs), [4] * len(seqs), drafters={"a:1", "b:1"})
+        request = sync.request(client, list(seqs), [(4, 8)] * len(seqs), drafters={"a:1", "b:1"})
+        for d in request.sequences:
+            if not d.finished:
+                assert (d.budget, d.deep_budget) == (4, 8)
+                # who the sequence is comes with its first message (or a resend)
+                assert (d.tenant, d.prompt_len) == (("acme", 3) if d.accepted_len == 0 else ("", 0))
         assert request.step == sync.step
         return [
             (d.sequence_id, list(d.new_token_ids), d.accepted_len, d.finished)
@@ -126,9 +132,10 @@ def test_drafter_sync_sends_what_changed_and_tells_a_drafter_what_left_it():
     assert sent(b) == [("s", [1, 2, 3, 4, 5], 0, False)]  # moved: b gets it all
     assert sync.drafters_to_tell() == ["a:1"]
     assert sent(a, seqs=()) == [("s", [], 0, True)]  # a forgets it
-    sync.forget("s")
+    seq.output_ids += [6, 7]
+    sync.forget(seq, completed=True)  # it ended: b gets its last tokens, to learn the output
     assert sync.has_finished and sync.drafters_to_tell() == ["b:1"]
-    assert sent(b, seqs=()) == [("s", [], 0, True)]
+    assert sent(b, seqs=()) == [("s", [6, 7], 5, True)]
     assert not sync.has_finished
 
 

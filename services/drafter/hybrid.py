@@ -27,8 +27,9 @@ class HybridProposer(Proposer):
     """The suffix tree's expectation is its score (the sum of its nodes' path frequencies),
     scaled by how well scores have predicted acceptance so far on this drafter; the draft
     model's is the sequence's running mean of accepted tokens on its draft-model steps
-    (before its first: the drafter-wide mean). What was accepted is read off the next message:
-    the new tokens that follow a path of the tree proposed for them.
+    (before its first: the drafter-wide mean). Sampling requests use neither drafter-wide
+    figure, so that their trees depend on their own history only. What was accepted is read
+    off the next message: the new tokens that follow a path of the tree proposed for them.
 
     Steps that take the suffix tree cost no draft forward pass, and may go as deep as the
     verifier's `deep_budget`; the draft model's trees stay within `budget`."""
@@ -48,16 +49,18 @@ class HybridProposer(Proposer):
             SuffixProposer.from_settings(settings), DraftModelProposer.from_settings(settings)
         )
 
-    @property
-    def calibration(self) -> float:
-        return self.suffix_actual / self.suffix_predicted
+    def _calibration(self, job: DraftJob) -> float:
+        """How far suffix scores have come true. Sampling requests take none of the drafter's
+        history: their trees, and so a seeded request's output, depend on their own only."""
+        return self.suffix_actual / self.suffix_predicted if job.temperature == 0 else 1.0
 
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         for job in jobs:
             self._observe(job)
         suffixed = [self.suffix.propose_one(job) for job in jobs]
         use_suffix = [
-            len(tree) > 0 and (job.budget == 0 or score * self.calibration >= self._model(job))
+            len(tree) > 0
+            and (job.budget == 0 or score * self._calibration(job) >= self._model(job))
             for job, (tree, score) in zip(jobs, suffixed, strict=True)
         ]
         drafted = self.draft.propose(
@@ -73,7 +76,10 @@ class HybridProposer(Proposer):
         return trees
 
     def _model(self, job: DraftJob) -> float:
-        return self.model_accepted.get(job.seq_id, self.service_model_accepted)
+        """The draft model's expected accepted tokens for the sequence (sampling requests:
+        from their own steps and a fixed prior only, as above)."""
+        prior = self.service_model_accepted if job.temperature == 0 else PRIOR_MODEL_ACCEPTED
+        return self.model_accepted.get(job.seq_id, prior)
 
     def _observe(self, job: DraftJob) -> None:
         """Updates the means with what the target kept of the sequence's last tree."""
@@ -95,5 +101,8 @@ class HybridProposer(Proposer):
         self.proposed.pop(seq_id, None)
         self.model_accepted.pop(seq_id, None)
 
-    def learn(self, tenant: str, output: list[int]) -> None:
-        self.suffix.learn(tenant, output)
+    def learn(self, tenant: str, tokens: list[int], prompt_len: int) -> None:
+        self.suffix.learn(tenant, tokens, prompt_len)
+
+    def learned_tokens(self) -> int:
+        return self.suffix.learned_tokens()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 PROPOSE_SECONDS = Histogram(
     "specserve_drafter_propose_seconds",
@@ -20,4 +20,8 @@ RESYNCS = Counter(
 COMPILED_GRAPHS = Counter(
     "specserve_drafter_compiled_graphs_total",
     "Graphs torch.compile built for the draft model's forward (first compiles and recompiles).",
+)
+LEARNED_TOKENS = Gauge(
+    "specserve_drafter_learned_tokens",
+    "Tokens of completed outputs kept for later drafts (all tenants; suffix and hybrid).",
 )

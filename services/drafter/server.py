@@ -52,7 +52,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             if delta.completed and seq is not None and delta.accepted_len <= len(seq.tokens):
                 del seq.tokens[delta.accepted_len :]
                 seq.tokens.extend(delta.new_token_ids)
-                self.proposer.learn(seq.tenant, seq.tokens[seq.prompt_len :])
+                self.proposer.learn(seq.tenant, seq.tokens, seq.prompt_len)
+                metrics.LEARNED_TOKENS.set(self.proposer.learned_tokens())
             self.proposer.forget(delta.sequence_id)
 
     def answer(self, request: drafter_pb2.DraftRequest, held) -> drafter_pb2.DraftResponse:

@@ -59,7 +59,7 @@ class Proposer(ABC):
     def forget(self, seq_id: str) -> None:
         """Frees whatever the proposer keeps for a sequence."""
 
-    def learn(self, tenant: str, output: list[int]) -> None:
-        """A sequence of `tenant` completed with `output`. A proposer that drafts from earlier
-        outputs keeps it; the others ignore it."""
+    def learn(self, tenant: str, tokens: list[int], prompt_len: int) -> None:
+        """A sequence of `tenant` completed: its prompt (the first prompt_len tokens) and
+        output. A proposer that drafts from earlier outputs keeps it; the others ignore it."""
         return None

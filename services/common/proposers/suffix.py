@@ -3,7 +3,9 @@ tenant's earlier outputs, after SuffixDecoding (Oliaro et al. 2024, arXiv 2411.0
 
 Each step finds the longest suffix of the history (up to `max_match` tokens) that occurred
 before, in two places: the request's own prompt and output (`SuffixIndex` per sequence), and
-the recent completed outputs of the same tenant (`SharedOutputs`). What followed the
+the recent completed outputs of the same tenant (`SharedOutputs`; each kept after the last
+`max_match` tokens of its prompt, so that a request with the same ending matches from its
+first token). What followed the
 occurrences of that suffix becomes a tree, grown best-first by frequency: a child's
 probability is the share of its parent's occurrences that continue with its token, a node's
 score the product along its path. The tree's total score is its expected number of accepted
@@ -16,6 +18,9 @@ a lookup extends the latest `max_candidates` of them backwards, so a step costs 
 max_candidates x max_match comparisons and budget x max_candidates to grow, however long or
 repetitive the text. The shared outputs are bounded in tokens per tenant and in tenants (the
 oldest tokens and the least recently used tenant go first).
+
+Sampling requests match their own history only, so that a seeded request's output (which
+depends on its trees) does not depend on other requests.
 
 Scope: by default a tenant's outputs shape only that tenant's drafts. Shared across tenants,
 how fast one tenant's request runs would tell what other tenants generated (a timing side
@@ -238,7 +243,10 @@ class SuffixProposer(Proposer):
         if budget <= 0 or not job.tokens:
             return best
         places = [self._own(job)]
-        if self.shared is not None and (index := self.shared.get(job.tenant)) is not None:
+        # Sampling requests draft from their own history only: a seeded request's output
+        # depends on its trees, and must not depend on what other requests generated.
+        shared = self.shared if job.temperature == 0 else None
+        if shared is not None and (index := shared.get(job.tenant)) is not None:
             places.append(index)
         for index in places:
             match, ends = index.occurrences(job.tokens, self.max_match, self.max_candidates)
@@ -264,6 +272,12 @@ class SuffixProposer(Proposer):
     def forget(self, seq_id: str) -> None:
         self.requests.pop(seq_id, None)
 
-    def learn(self, tenant: str, output: list[int]) -> None:
-        if self.shared is not None:
-            self.shared.add(tenant, output)
+    def learn(self, tenant: str, tokens: list[int], prompt_len: int) -> None:
+        """Keeps the output, after the prompt's last max_match tokens: the context that lets a
+        later request with the same ending (a template, a repeated instruction) match from
+        its first output token on."""
+        if self.shared is not None and len(tokens) > prompt_len:
+            self.shared.add(tenant, tokens[max(0, prompt_len - self.max_match) :])
+
+    def learned_tokens(self) -> int:
+        return self.shared.tokens() if self.shared is not None else 0
