@@ -54,24 +54,27 @@ from .prompts import PROMPTS
 
 WARM_UP = ("Say hi.", 8)
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8", "int4": "int4"}
-# label -> (drafter settings, tree size per step); None: speculation off. {dtype} becomes the
-# dtype the running drafter reports; a drafter without "dtype" here runs in --dtype.
+# label -> (drafter settings, tree size per step); 0: speculation off; None: not pinned, the
+# verifier's adaptive policy chooses (budget within verification_tree_size for the draft
+# model, deep budget within deep_tree_size for model-free trees). {dtype} becomes the dtype
+# the running drafter reports; a drafter without "dtype" here runs in --dtype.
 CHAIN = {"branching": 1, "width": 1}
 INT8 = {"dtype": "int8"}
-CONFIGS: dict[str, tuple[dict | None, int]] = {
+CONFIGS: dict[str, tuple[dict | None, int | None]] = {
     "plain": (None, 0),
     "draft {dtype} chain 4": ({**CHAIN, "max_depth": 4}, 4),
     "draft {dtype} chain 6": ({**INT8, **CHAIN, "max_depth": 6}, 6),
     "draft {dtype} chain <=16": ({**INT8, **CHAIN, "max_depth": 16}, 16),
     "draft {dtype} tree 12": ({**INT8, "branching": 2, "width": 3, "max_depth": 6}, 12),
     "ngram 10": ({"proposer": "ngram", "ngram_depth": 10}, 10),
-    "hybrid {dtype} chain 6 + ngram 10": (
-        {**INT8, **CHAIN, "proposer": "hybrid", "max_depth": 6, "ngram_depth": 10},
-        10,
+    "suffix, adaptive": ({"proposer": "suffix"}, None),
+    # config/specserve.yaml's drafter and policy: the draft model's chain of 6 in int8, and the
+    # suffix tree wherever it is expected to have more accepted.
+    "default: hybrid, suffix + draft {dtype} chain 6, adaptive": (
+        {**INT8, **CHAIN, "proposer": "hybrid", "max_depth": 6},
+        None,
     ),
 }
-
-
 def timing(started: float, arrivals: list[tuple[float, int]]) -> dict:
     """Figures from token arrivals (perf_counter time, tokens so far), the same for every
     system: decode rate after the first arrival, end to end rate, time to first token."""
@@ -86,8 +89,8 @@ def timing(started: float, arrivals: list[tuple[float, int]]) -> dict:
     }
 
 
-def stream(stub, prompt: str, tokens: int, tree_size: int) -> dict:
-    mode = common_pb2.SPECULATION_MODE_AUTO if tree_size else common_pb2.SPECULATION_MODE_OFF
+def stream(stub, prompt: str, tokens: int, tree_size: int | None) -> dict:
+    mode = common_pb2.SPECULATION_MODE_OFF if tree_size == 0 else common_pb2.SPECULATION_MODE_AUTO
     req = generation_pb2.GenerateRequest(
         max_tokens=tokens, speculation=common_pb2.SpeculationOptions(mode=mode)
     )
@@ -153,7 +156,8 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
             "interactive_reserved_slots": 0,
             "torch_threads": threads,
             "speculative_decoding": True,
-            "speculation_policy": "fixed",  # the tree shapes measured here, every step
+            # Rows that pin a tree size get it every step; the others the adaptive policy's.
+            "speculation_policy": "adaptive",
             "drafter_addresses": [f"127.0.0.1:{drafter_port}"],
             "draft_timeout_seconds": 60,
             "breaker_cooldown_seconds": 0,

@@ -174,3 +174,21 @@ def test_a_drafter_restarted_at_its_address_drafts_again_at_once(
         assert stats.fallback_steps <= 1 and stats.drafted_tokens > 0, stats
     finally:
         cluster.stop()
+
+
+def test_a_tenants_sequences_go_to_its_home_drafter_within_the_slack(clock):
+    """The drafter holding a tenant's completed outputs drafts its new sequences, on every
+    verifier alike, until it holds TENANT_SLACK more than the least loaded."""
+    from specserve.verifier.drafter_pool import TENANT_SLACK
+
+    registry = Registry({A: "100", B: "100"})
+    pool, other = pool_of(registry, clock), pool_of(registry, clock)
+    homes = {t: pool.assign(f"{t}-0", t) for t in ("acme", "globex", "initech", "umbrella")}
+    assert set(homes.values()) == {A, B}  # tenants spread over the drafters
+    assert all(other.assign(f"{t}-x", t) == home for t, home in homes.items())
+    for t in homes:
+        pool.release(f"{t}-0")
+    home = homes["acme"]
+    placed = [pool.assign(f"acme-{i}", "acme") for i in range(TENANT_SLACK + 3)]
+    assert placed[: TENANT_SLACK + 1] == [home] * (TENANT_SLACK + 1)
+    assert placed[TENANT_SLACK + 1] != home  # beyond the slack: the least loaded

@@ -3,6 +3,7 @@ for each, and which drafter each sequence drafts with."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -12,6 +13,8 @@ from .breaker import CircuitBreaker
 from .drafter_client import DrafterClient
 
 log = logging.getLogger(__name__)
+
+TENANT_SLACK = 2  # sequences more than the least loaded drafter a tenant's home may hold
 
 
 def registered_drafters(store, pool: str) -> dict[str, str]:
@@ -30,8 +33,11 @@ class DrafterPool:
     its own breaker.
 
     A sequence sticks to the drafter that holds its draft state while that drafter is usable;
-    a new one (or one whose drafter failed or left) goes to the usable drafter with the fewest
-    sequences, and resyncs there. A drafter that comes back (registered again after its entry
+    a new one (or one whose drafter failed or left) goes to its tenant's home drafter (the
+    same on every verifier, by rendezvous hash: the one that holds the tenant's completed
+    outputs for suffix drafts) unless that one holds more than TENANT_SLACK sequences over
+    the least loaded, and then to the usable drafter with the fewest sequences; it resyncs
+    there. A drafter that comes back (registered again after its entry
     was gone, or with a new start time: a restarted process) gets a trial at once instead of
     waiting out its breaker's cooldown."""
 
@@ -89,7 +95,7 @@ class DrafterPool:
             del self.breakers[address]
         metrics.DRAFTERS.set(len(self.clients))
 
-    def assign(self, seq_id: str) -> str | None:
+    def assign(self, seq_id: str, tenant: str = "") -> str | None:
         """The drafter for a sequence this step; None if no drafter is usable."""
         current = self.assigned.get(seq_id)
         if current in self.clients and self.breakers[current].allow():
@@ -102,6 +108,9 @@ class DrafterPool:
             if address in load:
                 load[address] += 1
         chosen = min(usable, key=lambda a: (load[a], usable.index(a)))
+        home = max(usable, key=lambda a: hashlib.blake2b(f"{tenant}|{a}".encode()).digest())
+        if load[home] <= load[chosen] + TENANT_SLACK:
+            chosen = home
         self.assigned[seq_id] = chosen
         return chosen
 

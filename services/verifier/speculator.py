@@ -209,7 +209,7 @@ class Speculator:
         pool, sync = self.pool, self.sync
         groups: dict[str, list[int]] = {}
         for i, seq in enumerate(seqs):
-            address = pool.assign(seq.request_id)
+            address = pool.assign(seq.request_id, seq.tenant)
             if address is not None:
                 groups.setdefault(address, []).append(i)
         for address in sync.drafters_to_tell():  # ended sequences free their drafter's caches
