@@ -75,6 +75,8 @@ CONFIGS: dict[str, tuple[dict | None, int | None]] = {
         None,
     ),
 }
+
+
 def timing(started: float, arrivals: list[tuple[float, int]]) -> dict:
     """Figures from token arrivals (perf_counter time, tokens so far), the same for every
     system: decode rate after the first arrival, end to end rate, time to first token."""
@@ -158,6 +160,7 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
             "speculative_decoding": True,
             # Rows that pin a tree size get it every step; the others the adaptive policy's.
             "speculation_policy": "adaptive",
+            "verification_tree_size": 6,  # as config/specserve.yaml (unpinned rows)
             "drafter_addresses": [f"127.0.0.1:{drafter_port}"],
             "draft_timeout_seconds": 60,
             "breaker_cooldown_seconds": 0,
