@@ -118,3 +118,15 @@ def test_acceptance_of_model_free_trees_is_kept_apart():
         policy.observe_acceptance(9, 10, free=True)
         policy.observe_acceptance(1, 10)
     assert policy.alpha(0, 0, free=True) > 0.85 and policy.alpha(0, 0) < 0.15
+
+
+def test_steps_of_one_size_leave_the_token_cost_unknown_and_drafts_get_tried():
+    """Only plain steps seen (a warm-up): a per-token cost cannot be told from the step's,
+    so it is taken as 0 (not half the step), and the policy drafts, which measures it."""
+    policy = AdaptivePolicy(6)
+    for _ in range(20):
+        policy.cost.observe_verify(1, 0.45)
+    assert policy.cost.coef.a == pytest.approx(0.45) and policy.cost.coef.b == 0.0
+    policy.steps = 1
+    assert policy.budgets([Candidate(6, 0.6)], 0) == [6]
+    assert policy.deep_budgets([Candidate(64, 0.6)], 2.0) == [64]

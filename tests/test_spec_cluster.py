@@ -62,8 +62,9 @@ def generate_all(stub, jobs: list[list[int]], max_tokens: int):
         ("ngram", {}),
         ("suffix", {}),
         ("hybrid", {"branching": 2, "width": 4}),
+        ("hybrid", {"branching": 1, "width": 1, "run_ahead": True}),
     ],
-    ids=["draft-tree", "draft-chain", "ngram", "suffix", "hybrid"],
+    ids=["draft-tree", "draft-chain", "ngram", "suffix", "hybrid", "hybrid-run-ahead"],
 )
 def test_concurrent_greedy_requests_equal_the_targets_output(
     tmp_path, stub_of, tiny_model_dir, tiny_model, tokenizer, proposer, shape
@@ -96,6 +97,8 @@ def test_concurrent_greedy_requests_equal_the_targets_output(
         assert verifier["specserve_verifier_verify_seconds_count"] > 0
         drafter = scrape(cluster.procs["drafter"].metrics_port)
         assert drafter["specserve_drafter_propose_seconds_count"] > 0
+        if shape.get("run_ahead"):  # the draft is the target: steps go as assumed
+            assert drafter['specserve_drafter_run_ahead_total{outcome="used"}'] > 0
         off = generate(
             stub,
             request(

@@ -424,6 +424,12 @@ class DrafterSettings(ServiceSettings):
     ngram_depth: int = Field(
         default=10, ge=1, le=256, description="Longest continuation an n-gram match proposes."
     )
+    run_ahead: bool = Field(
+        default=False,
+        description="While the verifier verifies a step, draft the next one as if each greedy "
+        "tree's likeliest path were accepted (used only if it was). Pays where drafter and "
+        "verifier have their own cores or devices; not on a machine where they share them.",
+    )
     suffix_max_depth: int = Field(
         default=64, ge=1, le=256, description="Deepest suffix-tree draft (long matches)."
     )

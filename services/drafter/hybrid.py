@@ -57,6 +57,18 @@ class HybridProposer(Proposer):
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         for job in jobs:
             self._observe(job)
+        chosen = self._choose(jobs)
+        for job, (tree, score) in zip(jobs, chosen, strict=True):
+            self.proposed[job.seq_id] = _Proposed(tree, len(job.tokens), score)
+        return [tree for tree, _ in chosen]
+
+    def propose_ahead(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        """Chooses as propose does, and leaves the record of the last real proposal alone: its
+        acceptance is read off the next message."""
+        return [tree for tree, _ in self._choose(jobs)]
+
+    def _choose(self, jobs: list[DraftJob]) -> list[tuple[DraftTree, float]]:
+        """Each job's tree, and the suffix tree's score."""
         suffixed = [self.suffix.propose_one(job) for job in jobs]
         use_suffix = [
             len(tree) > 0
@@ -66,14 +78,10 @@ class HybridProposer(Proposer):
         drafted = self.draft.propose(
             [replace(job, budget=0) if s else job for job, s in zip(jobs, use_suffix, strict=True)]
         )
-        trees = []
-        for job, (tree, score), s, model_tree in zip(
-            jobs, suffixed, use_suffix, drafted, strict=True
-        ):
-            chosen = tree if s else model_tree
-            self.proposed[job.seq_id] = _Proposed(chosen, len(job.tokens), score)
-            trees.append(chosen)
-        return trees
+        return [
+            (tree if s else model_tree, score)
+            for (tree, score), s, model_tree in zip(suffixed, use_suffix, drafted, strict=True)
+        ]
 
     def _model(self, job: DraftJob) -> float:
         """The draft model's expected accepted tokens for the sequence (sampling requests:

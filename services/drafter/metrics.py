@@ -25,3 +25,13 @@ LEARNED_TOKENS = Gauge(
     "specserve_drafter_learned_tokens",
     "Tokens of completed outputs kept for later drafts (all tenants; suffix and hybrid).",
 )
+RUN_AHEAD = Counter(
+    "specserve_drafter_run_ahead_total",
+    "Run-ahead trees by outcome: used (the step went as assumed) or discarded.",
+    ["outcome"],
+)
+RUN_AHEAD_SECONDS = Histogram(
+    "specserve_drafter_run_ahead_seconds",
+    "Time drafting ahead after a step's answer (while the verifier verifies it).",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5),
+)

@@ -13,10 +13,11 @@ from ..common.grpc_server import Server
 from ..common.proposers.base import DraftJob, Proposer
 from ..common.settings import DrafterSettings
 from ..common.store import RequestStore, heartbeat_forever, now_ms
-from ..common.tree import to_proto
+from ..common.tree import DraftTree, to_proto
 from ..v1 import drafter_pb2, drafter_pb2_grpc
 from . import metrics
 from .proposers import PROPOSERS
+from .run_ahead import RunAhead
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,21 @@ class _Held:
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, proposer: Proposer):
+    def __init__(self, proposer: Proposer, run_ahead: bool = False):
         self.proposer = proposer
+        self.run_ahead = run_ahead
         self._lock = threading.Lock()  # one proposal at a time: the cores are shared anyway
 
     def Speculate(self, request_iterator, context):
         held: dict[str, _Held] = {}  # sequence id -> what this stream told of it
+        ahead = RunAhead() if self.run_ahead else None
         try:
             for request in request_iterator:
-                yield self.answer(request, held)
+                response, drafted = self.answer(request, held, ahead)
+                yield response
+                if ahead is not None:  # while the verifier verifies what was just sent
+                    with self._lock:
+                        ahead.draft(self.proposer, drafted)
         finally:
             with self._lock:
                 for seq_id in held:
@@ -56,13 +63,18 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 metrics.LEARNED_TOKENS.set(self.proposer.learned_tokens())
             self.proposer.forget(delta.sequence_id)
 
-    def answer(self, request: drafter_pb2.DraftRequest, held) -> drafter_pb2.DraftResponse:
+    def answer(
+        self, request: drafter_pb2.DraftRequest, held, ahead: RunAhead | None = None
+    ) -> tuple[drafter_pb2.DraftResponse, list[tuple[DraftJob, DraftTree]]]:
+        """The step's trees, and each job with the tree it got (for drafting ahead)."""
         response = drafter_pb2.DraftResponse(step=request.step)
-        jobs = []
+        jobs, ready = [], {}
         for delta in request.sequences:
             sid = delta.sequence_id
             if delta.finished:
                 self._finished(held.pop(sid, None), delta)
+                if ahead is not None:
+                    ahead.forget(sid)
                 continue
             seq = held.get(sid)
             if delta.accepted_len == 0:  # a sequence's first message says whose it is
@@ -75,31 +87,38 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             del seq.tokens[delta.accepted_len :]
             seq.tokens.extend(delta.new_token_ids)
             if delta.budget > 0 or delta.deep_budget > 0:
-                jobs.append(
-                    DraftJob(
-                        sid,
-                        seq.tokens,
-                        delta.budget,
-                        delta.temperature,
-                        delta.draw_seed,
-                        deep_budget=delta.deep_budget,
-                        tenant=seq.tenant,
-                    )
+                job = DraftJob(
+                    sid,
+                    seq.tokens,
+                    delta.budget,
+                    delta.temperature,
+                    delta.draw_seed,
+                    deep_budget=delta.deep_budget,
+                    tenant=seq.tenant,
                 )
-        if jobs:
+                tree = ahead.take(job, delta.accepted_len) if ahead is not None else None
+                if tree is not None:
+                    ready[sid] = tree
+                jobs.append(job)
+        to_draft = [job for job in jobs if job.seq_id not in ready]
+        if to_draft:
             parent = telemetry.from_traceparent(request.traceparent)
             with (
                 telemetry.tracer.start_as_current_span("drafter.propose", context=parent) as span,
                 self._lock,
                 metrics.PROPOSE_SECONDS.time(),
             ):
-                trees = self.proposer.propose(jobs)
-                span.set_attribute("sequences", len(jobs))
+                trees = self.proposer.propose(to_draft)
+                span.set_attribute("sequences", len(to_draft))
                 span.set_attribute("nodes", sum(map(len, trees)))
-            for job, tree in zip(jobs, trees, strict=True):
-                metrics.TREE_NODES.observe(len(tree))
-                to_proto(tree, response.trees.add(sequence_id=job.seq_id))
-        return response
+            ready |= {job.seq_id: tree for job, tree in zip(to_draft, trees, strict=True)}
+        drafted = []
+        for job in jobs:
+            tree = ready[job.seq_id]
+            metrics.TREE_NODES.observe(len(tree))
+            to_proto(tree, response.trees.add(sequence_id=job.seq_id))
+            drafted.append((job, tree))
+        return response, drafted
 
 
 def build(settings: DrafterSettings):
@@ -111,7 +130,8 @@ def build(settings: DrafterSettings):
     server = Server(
         settings.host, settings.port, [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
     )
-    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterService(proposer), server.grpc)
+    service = DrafterService(proposer, settings.run_ahead)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(service, server.grpc)
     server.start()
     # Registered, verifiers find this drafter without a restart; gone, they move its sequences.
     # `started_ms` tells them a drafter came back (a new process at the same address).

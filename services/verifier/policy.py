@@ -78,7 +78,10 @@ class CostModel:
         if self.verify:
             x = np.array([[1.0, n] for n, _ in self.verify])
             y = np.array([s for _, s in self.verify])
-            self.coef.a, self.coef.b = _nonnegative_lstsq(x, y)
+            if len({n for n, _ in self.verify}) > 1:
+                self.coef.a, self.coef.b = _nonnegative_lstsq(x, y)
+            else:  # one step size seen: what a token costs is unknown, and taken as nothing
+                self.coef.a, self.coef.b = float(y.mean()), 0.0  # so that drafts get tried
         if self.draft:
             x = np.array([[1.0, k, k * n] for k, n, _ in self.draft])
             y = np.array([s for _, _, s in self.draft])

@@ -141,9 +141,10 @@ class Speculator:
             started = time.perf_counter()
             trees = self._ask_drafters(seqs, budgets)
             # Steady-state steps only: a drafter taking in a whole prompt (a new or moved
-            # sequence) costs once, not per level, and would skew the per-level cost. Levels
-            # are those of the draft model's trees: model-free ones cost no draft pass.
-            steady = self.sync.largest_delta <= self.deep_tree_size + 1
+            # sequence, or what a deep model-free tree had accepted) costs once, not per
+            # level, and would skew the per-level cost. Levels are those of the draft model's
+            # trees: model-free ones cost no draft pass.
+            steady = self.sync.largest_delta <= self.tree_size + 1
             if self.policy is not None and steady and all(t is not None for t in trees):
                 drawn = [k for (k, _), t in zip(budgets, trees, strict=True) if not t.model_free]
                 self.policy.cost.observe_draft(

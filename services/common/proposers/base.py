@@ -24,6 +24,7 @@ class DraftJob:
     seed: int = 0  # for the random draws of sampling requests
     deep_budget: int | None = None  # most nodes of a model-free tree; None: `budget`
     tenant: str = ""  # whose earlier outputs may shape the drafts
+    assumed: int = 0  # trailing tokens that are assumed, not accepted (run-ahead drafting)
 
     @property
     def free_budget(self) -> int:
@@ -58,6 +59,11 @@ class Proposer(ABC):
     @abstractmethod
     def forget(self, seq_id: str) -> None:
         """Frees whatever the proposer keeps for a sequence."""
+
+    def propose_ahead(self, jobs: list[DraftJob]) -> list[DraftTree]:
+        """Trees for histories that are assumptions (run-ahead drafting): like propose, but
+        what the proposer learns from its own proposals must not count them."""
+        return self.propose(jobs)
 
     def learn(self, tenant: str, tokens: list[int], prompt_len: int) -> None:
         """A sequence of `tenant` completed: its prompt (the first prompt_len tokens) and

@@ -259,14 +259,16 @@ class SuffixProposer(Proposer):
         return best
 
     def _own(self, job: DraftJob) -> SuffixIndex:
-        """The sequence's index, brought up to its history (rebuilt after a rollback)."""
+        """The sequence's index, brought up to its accepted history (rebuilt after a
+        rollback); assumed tokens are matched, not indexed."""
+        tokens = job.tokens[: len(job.tokens) - job.assumed]
         index = self.requests.get(job.seq_id)
         held = index.end if index is not None else 0
-        stale = held > len(job.tokens) or (held and index.at(held - 1) != job.tokens[held - 1])
+        stale = held > len(tokens) or (held and index.at(held - 1) != tokens[held - 1])
         if index is None or stale:
             index = self.requests[job.seq_id] = SuffixIndex()
             held = 0
-        index.extend(job.tokens[held:])
+        index.extend(tokens[held:])
         return index
 
     def forget(self, seq_id: str) -> None:

@@ -1,0 +1,53 @@
+"""Run-ahead drafting: the next step's tree drafted after the likeliest path, used only when
+the step went exactly as assumed."""
+
+from __future__ import annotations
+
+from specserve.common.proposers.base import DraftJob
+from specserve.common.proposers.suffix import SuffixProposer
+from specserve.common.tree import DraftTree
+from specserve.drafter.run_ahead import RunAhead, likeliest_path, subtree
+
+
+def tree_of(edges: list[tuple[int, int]]) -> DraftTree:
+    tree = DraftTree()
+    for token, parent in edges:
+        tree.add(token, parent)
+    return tree
+
+
+def test_the_likeliest_path_follows_first_children_and_subtrees_reroot():
+    tree = tree_of([(5, -1), (6, -1), (7, 0), (8, 0), (9, 2), (4, 1)])
+    assert likeliest_path(tree) == [5, 7, 9]
+    under = subtree(tree, 0, budget=8)
+    assert (under.token_ids, under.parents) == ([7, 8, 9], [-1, -1, 0])
+    assert subtree(tree, 0, budget=2).token_ids == [7, 8]
+
+
+def test_a_run_ahead_tree_is_used_only_when_the_step_went_as_assumed():
+    copied = list(range(100, 140))
+    history = [*copied, 7, *copied[:10]]
+    proposer = SuffixProposer()
+    job = DraftJob("s", list(history), 8)
+    (tree,) = proposer.propose([job])
+    path = likeliest_path(tree)
+    assert path == copied[10:18]
+
+    ahead = RunAhead()
+    ahead.draft(proposer, [(job, tree)])
+    bonus = copied[18]  # the target's own token after the accepted path
+    went = DraftJob("s", [*history, *path, bonus], 8)
+    used = ahead.take(went, accepted_len=len(history))
+    assert used is not None and used.token_ids == copied[19:27]
+    (fresh,) = SuffixProposer().propose([went])
+    assert used.token_ids == fresh.token_ids  # what drafting after the fact gives
+
+    ahead.draft(proposer, [(job, tree)])
+    partly = DraftJob("s", [*history, *path[:3], 99], 8)  # rejected inside the path
+    assert ahead.take(partly, accepted_len=len(history)) is None
+    ahead.draft(proposer, [(job, tree)])
+    assert ahead.take(went, accepted_len=len(history) - 1) is None  # history rolled back
+
+    sampled = DraftJob("t", list(history), 8, temperature=0.7)
+    ahead.draft(proposer, [(sampled, tree)])
+    assert ahead.trees == {}  # sampling requests never run ahead
