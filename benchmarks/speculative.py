@@ -74,6 +74,10 @@ CONFIGS: dict[str, tuple[dict | None, int | None]] = {
         {**INT8, **CHAIN, "proposer": "hybrid", "max_depth": 6},
         None,
     ),
+    "default + run-ahead": (
+        {**INT8, **CHAIN, "proposer": "hybrid", "max_depth": 6, "run_ahead": True},
+        None,
+    ),
 }
 
 

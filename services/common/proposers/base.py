@@ -69,3 +69,7 @@ class Proposer(ABC):
         """A sequence of `tenant` completed: its prompt (the first prompt_len tokens) and
         output. A proposer that drafts from earlier outputs keeps it; the others ignore it."""
         return None
+
+    def learned_tokens(self) -> int:
+        """Tokens of completed outputs the proposer keeps."""
+        return 0
