@@ -118,7 +118,7 @@ def model_files(settings: dict[str, ServiceSettings]) -> Iterator[Finding]:
 
     verifier, drafter = settings["verifier"], settings["drafter"]
     wanted = [("target", verifier.model, verifier.dtype)]
-    if drafter.proposer != "ngram" and not drafter.draft_model_path:
+    if drafter.proposer in ("draft_model", "hybrid") and not drafter.draft_model_path:
         wanted.append(("draft", drafter.draft_model, drafter.dtype))
     need = 0.0
     for role, ref, dtype in wanted:

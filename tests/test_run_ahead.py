@@ -51,3 +51,15 @@ def test_a_run_ahead_tree_is_used_only_when_the_step_went_as_assumed():
     sampled = DraftJob("t", list(history), 8, temperature=0.7)
     ahead.draft(proposer, [(sampled, tree)])
     assert ahead.trees == {}  # sampling requests never run ahead
+
+
+def test_a_run_ahead_tree_of_a_kind_this_step_wants_none_of_is_not_used():
+    copied = list(range(100, 140))
+    history = [*copied, 7, *copied[:10]]
+    proposer = SuffixProposer()
+    job = DraftJob("s", list(history), 8)
+    (tree,) = proposer.propose([job])
+    ahead = RunAhead()
+    ahead.draft(proposer, [(job, tree)])
+    went = [*history, *likeliest_path(tree), copied[18]]
+    assert ahead.take(DraftJob("s", went, 8, deep_budget=0), accepted_len=len(history)) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+import tracemalloc
 
 from specserve.common.proposers.base import DraftJob
 from specserve.common.proposers.suffix import SharedOutputs, SuffixIndex, SuffixProposer
@@ -88,10 +89,11 @@ def test_shared_outputs_stay_within_their_bound_and_evict_the_oldest():
         shared.add(f"t{i % 5}", [rng.randrange(50) for _ in range(rng.randrange(1, 120))])
         assert shared.tokens() <= 3 * 500
         for index in shared.indices.values():
-            assert len(index) <= 500
-            entries = sum(map(len, index.ends.values()))
-            assert entries <= 3 * len(index)  # one per key length per token, no more
-            assert all(index.first <= p < index.end for e in index.ends.values() for p in e)
+            assert len(index) <= 500 and len(index.tokens) <= 2 * 500  # until compacted
+            ends = [[e] if isinstance(e, int) else e for e in index.ends.values()]
+            entries = sum(map(len, ends))
+            assert entries <= 3 * len(index.tokens)  # one per key length per token, no more
+            assert all(index.base <= p < index.end for e in ends for p in e)
     assert list(shared.indices) == ["t2", "t3", "t4"]  # the least recent tenants went
     recent = [7, 7, 8, 8, 9, 9]
     shared.add("t4", recent)
@@ -120,3 +122,17 @@ def test_adversarial_repetition_keeps_drafting_fast_and_memory_bounded():
     assert 0 < len(tree) <= 64 and score > 0
     # Not a speed target: about 1 ms here; an unbounded scan of the 100k matches takes seconds.
     assert per_step < 0.25, f"{per_step * 1000:.1f} ms per step"
+
+
+def test_an_index_holds_a_few_hundred_bytes_a_token():
+    """What the memory bound means in bytes: 50,000 tokens of varied text."""
+    rng = random.Random(2)
+    tokens = [rng.randrange(150_000) for _ in range(50_000)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = SuffixIndex(max_tokens=50_000)
+    index.extend(tokens)
+    per_token = (tracemalloc.get_traced_memory()[0] - before) / len(tokens)
+    tracemalloc.stop()
+    assert len(index) == 50_000
+    assert per_token < 350, f"{per_token:.0f} bytes a token"

@@ -168,3 +168,54 @@ def test_fallback_drafts_locally_when_no_drafter_answers():
     assert seq.fallback_steps == 1
     # One failure opens the drafter's breaker (breaker_failures=1).
     assert not speculator.pool.breakers["127.0.0.1:1"].allow()
+
+
+def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_deep():
+    from types import SimpleNamespace
+
+    from helpers import make_sequence
+    from specserve.common.settings import VerifierSettings
+    from specserve.verifier.speculator import Speculator
+
+    def budgets(**settings):
+        speculator = Speculator(
+            VerifierSettings.load(
+                None, speculative_decoding=True, discover_drafters=False, **settings
+            ),
+            vocab_size=1000,
+        )
+        seqs = []
+        for _ in range(3):
+            seq = make_sequence([5, 6, 7], output=[8], max_tokens=200)
+            seq.kv = SimpleNamespace(length=3)
+            seqs.append(seq)
+        policy = speculator.policy
+        if policy is not None:  # a big batch whose nodes cost more than they return
+            policy.steps = 1
+            policy.cost.coef.a, policy.cost.coef.b = 0.1, 0.2
+            policy.service_alpha = policy.service_free_alpha = 0.3
+        return speculator.budgets(seqs)
+
+    fixed = dict(speculation_policy="fixed", verification_tree_size=6, deep_tree_size=40)
+    assert budgets(**fixed) == [(6, 40)] * 3
+    adaptive = dict(speculation_policy="adaptive", verification_tree_size=6)
+    assert budgets(**adaptive, deep_tree_size=0) == [(0, 0)] * 3  # the policy still decides
+    assert budgets(**adaptive, deep_tree_size=64) == [(0, 0)] * 3
+
+
+def test_a_model_free_tree_with_draft_distributions_is_dropped():
+    from specserve.common.settings import VerifierSettings
+    from specserve.common.tree import DraftTree, to_proto
+    from specserve.v1 import drafter_pb2
+    from specserve.verifier.speculator import Speculator
+
+    speculator = Speculator(VerifierSettings.load(None), vocab_size=1000)
+    tree = DraftTree(token_ids=[1, 2], parents=[-1, 0], model_free=True)
+    msg = drafter_pb2.DraftTree()
+    to_proto(tree, msg)
+    assert len(speculator._checked(msg, (0, 2))) == 2  # a model-free tree: the deep budget
+    assert len(speculator._checked(msg, (2, 1))) == 0  # over it
+    tree.dists[-1] = ([1], [1.0])
+    msg = drafter_pb2.DraftTree()
+    to_proto(tree, msg)
+    assert len(speculator._checked(msg, (8, 8))) == 0

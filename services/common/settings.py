@@ -455,10 +455,10 @@ class DrafterSettings(ServiceSettings):
         "tenant what others generated), or none.",
     )
     suffix_tenant_tokens: int = Field(
-        default=65536, ge=0, description="Completed-output tokens kept per tenant (oldest go)."
+        default=32768, ge=0, description="Completed-output tokens kept per tenant (oldest go)."
     )
     suffix_tenants: int = Field(
-        default=16, ge=1, description="Tenants whose outputs are kept (least recent go)."
+        default=8, ge=1, description="Tenants whose outputs are kept (least recent go)."
     )
 
     @model_validator(mode="after")

@@ -96,9 +96,13 @@ class RunAhead:
         if accepted_len != ahead.history or not tops:
             metrics.RUN_AHEAD.labels("discarded").inc()
             return None
-        metrics.RUN_AHEAD.labels("used").inc()
         budget = job.free_budget if ahead.tree.model_free else job.budget
-        return subtree(ahead.tree, tops[0], budget)
+        tree = subtree(ahead.tree, tops[0], budget)
+        if not tree:  # nothing under it, or this step wants no tree of that kind
+            metrics.RUN_AHEAD.labels("discarded").inc()
+            return None
+        metrics.RUN_AHEAD.labels("used").inc()
+        return tree
 
     def forget(self, seq_id: str) -> None:
         self.trees.pop(seq_id, None)

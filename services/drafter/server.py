@@ -81,6 +81,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 seq = held[sid] = _Held(tenant=delta.tenant, prompt_len=delta.prompt_len)
             if seq is None or delta.accepted_len > len(seq.tokens):  # state lost (restart)
                 held.pop(sid, None)
+                with self._lock:
+                    self.proposer.forget(sid)
                 response.resync_ids.append(sid)  # the verifier resends all of it
                 metrics.RESYNCS.inc()
                 continue
@@ -93,7 +95,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     delta.budget,
                     delta.temperature,
                     delta.draw_seed,
-                    deep_budget=delta.deep_budget,
+                    # unset (a verifier that predates it): model-free trees get `budget`
+                    deep_budget=delta.deep_budget if delta.HasField("deep_budget") else None,
                     tenant=seq.tenant,
                 )
                 tree = ahead.take(job, delta.accepted_len) if ahead is not None else None

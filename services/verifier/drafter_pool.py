@@ -95,8 +95,9 @@ class DrafterPool:
             del self.breakers[address]
         metrics.DRAFTERS.set(len(self.clients))
 
-    def assign(self, seq_id: str, tenant: str = "") -> str | None:
-        """The drafter for a sequence this step; None if no drafter is usable."""
+    def assign(self, seq_id: str, tenant: str | None = None) -> str | None:
+        """The drafter for a sequence this step; None if no drafter is usable. A sequence
+        with a tenant (the empty one too) goes home within the slack; None: least loaded."""
         current = self.assigned.get(seq_id)
         if current in self.clients and self.breakers[current].allow():
             return current
@@ -108,9 +109,10 @@ class DrafterPool:
             if address in load:
                 load[address] += 1
         chosen = min(usable, key=lambda a: (load[a], usable.index(a)))
-        home = max(usable, key=lambda a: hashlib.blake2b(f"{tenant}|{a}".encode()).digest())
-        if load[home] <= load[chosen] + TENANT_SLACK:
-            chosen = home
+        if tenant is not None:
+            home = max(usable, key=lambda a: hashlib.blake2b(f"{tenant}|{a}".encode()).digest())
+            if load[home] <= load[chosen] + TENANT_SLACK:
+                chosen = home
         self.assigned[seq_id] = chosen
         return chosen
 

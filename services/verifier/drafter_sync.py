@@ -101,17 +101,12 @@ class DrafterSync:
         One that `completed` comes with the tokens the drafter has not heard of: its whole
         output then shapes its tenant's drafts."""
         synced = self._synced.pop(seq.request_id, None)
-        if synced is not None and not completed:
-            self._tell(synced.address, seq.request_id)
-        elif synced is not None:
-            ids = seq.all_ids
-            self._tell(
-                synced.address,
-                seq.request_id,
-                new_token_ids=ids[synced.length :],
-                accepted_len=synced.length,
-                completed=True,
-            )
+        if synced is None:
+            return
+        tail = {}
+        if completed:
+            tail = {"new_token_ids": seq.all_ids[synced.length :], "accepted_len": synced.length}
+        self._tell(synced.address, seq.request_id, completed=completed, **tail)
 
     def _tell(self, address: str, request_id: str, **ended) -> None:
         delta = drafter_pb2.SequenceDelta(sequence_id=request_id, finished=True, **ended)

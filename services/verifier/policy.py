@@ -1,7 +1,10 @@
 """How many draft nodes each sequence gets per step: its tree budget.
 
-`fixed` gives every speculating sequence `verification_tree_size`. `adaptive` chooses, each
-step, the budgets that maximise expected emitted tokens per second of step time:
+Two budgets per sequence: one for a tree a draft model grows, one (the deep budget) for a
+model-free tree (a suffix or n-gram match), which costs no draft pass. `fixed` gives every
+speculating sequence `verification_tree_size` and `deep_tree_size`. `adaptive` chooses, each
+step, the draft-model budgets that maximise expected emitted tokens per second of step time,
+and then the deep budgets (`deep_budgets`: as deep as a node still pays for its verify time):
 
 - Expected tokens of a sequence with budget k, treating its tree as a chain whose tokens the
   target keeps independently with probability alpha (the sequence's running acceptance rate,
@@ -23,7 +26,7 @@ sequence would draft; see Speculator.budgets.)
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,10 +81,11 @@ class CostModel:
         if self.verify:
             x = np.array([[1.0, n] for n, _ in self.verify])
             y = np.array([s for _, s in self.verify])
-            if len({n for n, _ in self.verify}) > 1:
+            sizes = Counter(n for n, _ in self.verify)
+            if sum(count >= 2 for count in sizes.values()) >= 2:
                 self.coef.a, self.coef.b = _nonnegative_lstsq(x, y)
-            else:  # one step size seen: what a token costs is unknown, and taken as nothing
-                self.coef.a, self.coef.b = float(y.mean()), 0.0  # so that drafts get tried
+            else:  # one step size seen (a stray other): what a token costs is unknown, and
+                self.coef.a, self.coef.b = float(y.mean()), 0.0  # taken as 0: drafts get tried
         if self.draft:
             x = np.array([[1.0, k, k * n] for k, n, _ in self.draft])
             y = np.array([s for _, _, s in self.draft])
@@ -155,10 +159,6 @@ class AdaptivePolicy:
                 budgets.append(min(c.cap, int(math.log(lost) / math.log(c.alpha))))
         return budgets
 
-    def rate(self, candidates: list[Candidate], ks: list[int], other_tokens: int) -> float:
-        """Expected emitted tokens per second of a step with budgets ks."""
-        return self._rate(candidates, ks, other_tokens)
-
     def budgets(self, candidates: list[Candidate], other_tokens: int) -> list[int]:
         """Budgets that maximise expected tokens per second; other_tokens are tokens in the
         forward pass that emit nothing (prefill chunks). One step in PROBE_EVERY gives every
@@ -171,7 +171,7 @@ class AdaptivePolicy:
         top = min(self.max_budget, max((c.cap for c in candidates), default=0))
         for cap in range(top + 1):
             ks = [c.cap if c.pinned else min(cap, c.cap) for c in candidates]
-            rate = self._rate(candidates, ks, other_tokens)
+            rate = self.rate(candidates, ks, other_tokens)
             # Drop sequences whose nodes cost more time than their expected gain is worth.
             per_token = self.cost.coef.b
             for i, c in enumerate(candidates):
@@ -179,12 +179,13 @@ class AdaptivePolicy:
                     gain = expected_tokens(c.alpha, ks[i]) - 1.0
                     if gain < per_token * ks[i] * rate:
                         ks[i] = 0
-            rate = self._rate(candidates, ks, other_tokens)
+            rate = self.rate(candidates, ks, other_tokens)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = ks, rate
         return best
 
-    def _rate(self, candidates: list[Candidate], ks: list[int], other_tokens: int) -> float:
+    def rate(self, candidates: list[Candidate], ks: list[int], other_tokens: int) -> float:
+        """Expected emitted tokens per second of a step with budgets ks."""
         tokens = other_tokens + sum(1 + k for k in ks)
         drafting = sum(k > 0 for k in ks)
         seconds = self.cost.step_seconds(tokens, max(ks, default=0), drafting)

@@ -51,8 +51,11 @@ class Sequence:
     drafted: int = 0  # draft nodes proposed to the target
     accepted: int = 0  # draft tokens the target accepted (and were emitted)
     tested: int = 0  # draft tokens the target checked: accepted ones and first rejections
-    free_accepted: int = 0  # of accepted and tested: those of model-free trees (suffix, n-gram)
+    # accepted and tested (uncapped by the finish) split by kind of tree, for the policy:
+    free_accepted: int = 0  # model-free trees (suffix, n-gram)
     free_tested: int = 0
+    drawn_accepted: int = 0  # draft-model trees
+    drawn_tested: int = 0
     fallback_steps: int = 0
     prefill_ms: float = 0.0
     first_token_ms: float = 0.0  # unix ms of the first generated token

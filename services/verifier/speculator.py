@@ -86,19 +86,18 @@ class Speculator:
         others' loss outweighs it and they draft as usual."""
         caps = [self.cap(s) for s in seqs]
         deep_caps = [self.cap(s, self.deep_tree_size) for s in seqs]
-        if self.policy is None or not any(deep_caps):
+        drafting = sum(c > 0 or d > 0 for c, d in zip(caps, deep_caps, strict=True))
+        if self.policy is None or not drafting:
             return list(zip(caps, deep_caps, strict=True))
         pinned = [s.tree_size is not None for s in seqs]
-        if first_token and sum(cap > 0 for cap in deep_caps) <= 1:
+        if first_token and drafting <= 1:
             return [
                 (cap, deep) if pin else (0, 0)
                 for cap, deep, pin in zip(caps, deep_caps, pinned, strict=True)
             ]
         policy = self.policy
         model = [
-            Candidate(
-                cap, policy.alpha(s.accepted - s.free_accepted, s.tested - s.free_tested), pin
-            )
+            Candidate(cap, policy.alpha(s.drawn_accepted, s.drawn_tested), pin)
             for s, cap, pin in zip(seqs, caps, pinned, strict=True)
         ]
         ks = policy.budgets(model, other_tokens)
@@ -123,6 +122,9 @@ class Speculator:
         if tree.model_free:
             seq.free_accepted += accepted
             seq.free_tested += tested
+        else:
+            seq.drawn_accepted += accepted
+            seq.drawn_tested += tested
         if self.policy is not None:
             self.policy.observe_acceptance(accepted, tested, free=tree.model_free)
 
@@ -150,11 +152,11 @@ class Speculator:
                 self.policy.cost.observe_draft(
                     max(drawn, default=0), sum(k > 0 for k in drawn), time.perf_counter() - started
                 )
-        for i, (seq, (_, deep)) in enumerate(zip(seqs, budgets, strict=True)):
-            if trees[i] is None:
-                seq.fallback_steps += deep > 0
-                metrics.FALLBACK_STEPS.inc(deep > 0)
-                trees[i] = self._fallback(seq, deep)
+        for i, (seq, budget) in enumerate(zip(seqs, budgets, strict=True)):
+            if trees[i] is None:  # the fallback's n-gram trees are model-free: the larger
+                seq.fallback_steps += max(budget) > 0
+                metrics.FALLBACK_STEPS.inc(max(budget) > 0)
+                trees[i] = self._fallback(seq, max(budget))
             seq.drafted += len(trees[i])
         return trees
 
@@ -210,7 +212,9 @@ class Speculator:
         pool, sync = self.pool, self.sync
         groups: dict[str, list[int]] = {}
         for i, seq in enumerate(seqs):
-            address = pool.assign(seq.request_id, seq.tenant)
+            # Greedy sequences draft from their tenant's outputs: they go where those are.
+            tenant = seq.tenant if seq.params.temperature == 0 else None
+            address = pool.assign(seq.request_id, tenant)
             if address is not None:
                 groups.setdefault(address, []).append(i)
         for address in sync.drafters_to_tell():  # ended sequences free their drafter's caches
@@ -223,9 +227,12 @@ class Speculator:
 
     def _checked(self, msg, budgets: tuple[int, int]) -> DraftTree:
         tree = from_proto(msg) if msg is not None else DraftTree()
-        budget = budgets[tree.model_free]
+        budget, deep = budgets
         try:
             tree.validate(self.vocab_size)
+            if tree.model_free and tree.dists:
+                raise ValueError("a model-free tree carries draft distributions")
+            budget = deep if tree.model_free else budget
             if len(tree) > budget:
                 raise ValueError(f"{len(tree)} nodes exceed the budget of {budget}")
         except ValueError as e:

@@ -14,10 +14,12 @@ proposed. Depth follows the match: `depth_factor` x the match length, at most `m
 long copy drafts deep and a short, uncertain match drafts little.
 
 An index keeps, for each short key (the last 1, 3 and 8 tokens at a position), where it ends;
-a lookup extends the latest `max_candidates` of them backwards, so a step costs at most
-max_candidates x max_match comparisons and budget x max_candidates to grow, however long or
-repetitive the text. The shared outputs are bounded in tokens per tenant and in tenants (the
-oldest tokens and the least recently used tenant go first).
+a lookup compares the latest `max_candidates` of them backwards with the history, so a step
+costs at most max_candidates x max_match comparisons and budget x max_candidates to grow,
+however long or repetitive the text. The shared outputs are bounded in tokens per tenant and
+in tenants (the oldest tokens and the least recently used tenant go first); an index holds
+about 250 bytes a token (`tests/test_suffix.py` measures it), and between compactions up to
+twice its bound.
 
 Sampling requests match their own history only, so that a seeded request's output (which
 depends on its trees) does not depend on other requests.
@@ -32,7 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 from ..settings import DrafterSettings
 from ..tree import DraftTree
@@ -43,15 +45,17 @@ KEYS = (8, 3, 1)  # key lengths indexed, longest first: the longest key seen giv
 
 
 class SuffixIndex:
-    """A token stream and, per key, the positions where it ends (absolute positions, oldest
-    first). With `max_tokens`, the oldest tokens are evicted with their entries."""
+    """A token stream and, per key (a hash of the last 1, 3 or 8 tokens at a position), the
+    positions where it ends, oldest first. With `max_tokens`, the oldest tokens leave: they
+    stop counting at once, and their entries go at the next compaction, which rebuilds the
+    index from what is left whenever twice max_tokens are stored (amortised O(1) a token)."""
 
     def __init__(self, max_tokens: int | None = None):
         self.max_tokens = max_tokens
         self.tokens: list[int] = []  # tokens[i] is at absolute position base + i
         self.base = 0
-        self.first = 0  # oldest position still indexed (older ones kept only as key context)
-        self.ends: dict[tuple[int, ...], deque[int]] = {}
+        self.first = 0  # oldest position that counts (older ones wait for the compaction)
+        self.ends: dict[int, int | list[int]] = {}
 
     @property
     def end(self) -> int:
@@ -59,7 +63,7 @@ class SuffixIndex:
         return self.base + len(self.tokens)
 
     def __len__(self) -> int:
-        """Tokens indexed (what the memory bound counts)."""
+        """Tokens that count (what max_tokens bounds; at most twice as many are stored)."""
         return self.end - self.first
 
     def at(self, pos: int) -> int:
@@ -68,70 +72,73 @@ class SuffixIndex:
     def extend(self, tokens: list[int]) -> None:
         for token in tokens:
             self.tokens.append(token)
-            pos = self.end - 1
-            for k in KEYS:
-                key = self._key(pos, k)
-                if key is not None:
-                    self.ends.setdefault(key, deque()).append(pos)
-        if self.max_tokens is not None:
-            while len(self) > self.max_tokens:
-                self._evict()
+            self._index(self.end - 1)
+        if self.max_tokens is not None and len(self) > self.max_tokens:
+            self.first = self.end - self.max_tokens
+            if self.first - self.base >= self.max_tokens:
+                self._compact()
 
     def add_document(self, tokens: list[int]) -> None:
         self.extend([*tokens, SEPARATOR])
 
-    def _key(self, pos: int, k: int) -> tuple[int, ...] | None:
-        """The k tokens ending at pos, or None where they leave the stream or cross a
-        document's end."""
-        start = pos - k + 1
-        if start < self.base:
-            return None
-        key = tuple(self.tokens[start - self.base : pos - self.base + 1])
-        return None if SEPARATOR in key else key
-
-    def _evict(self) -> None:
-        pos = self.first
+    def _index(self, pos: int) -> None:
+        ends = self.ends
         for k in KEYS:
             key = self._key(pos, k)
             if key is None:
                 continue
-            ends = self.ends[key]
-            ends.popleft()  # entries are appended and evicted in position order
-            if not ends:
-                del self.ends[key]
-        self.first += 1
-        # Tokens before first are kept while a key ending at an indexed position needs them.
-        slack = self.first - (KEYS[0] - 1) - self.base
-        if slack > max(1024, len(self.tokens) // 2):
-            del self.tokens[:slack]
-            self.base += slack
+            held = ends.get(key)
+            if held is None:
+                ends[key] = pos  # most keys occur once: a bare position, not a list
+            elif isinstance(held, int):
+                ends[key] = [held, pos]
+            else:
+                held.append(pos)
+
+    def _key(self, pos: int, k: int) -> int | None:
+        """The key of the k tokens ending at pos; None where they leave the stream or cross
+        a document's end. Keys are hashes: a match is always checked token by token."""
+        start = pos - k + 1
+        if start < self.base:
+            return None
+        key = tuple(self.tokens[start - self.base : pos - self.base + 1])
+        return None if SEPARATOR in key else hash(key)
+
+    def _compact(self) -> None:
+        del self.tokens[: self.first - self.base]
+        self.base = self.first
+        self.ends = {}
+        for pos in range(self.base, self.end):
+            self._index(pos)
 
     def occurrences(
         self, context: list[int], max_match: int, max_candidates: int
     ) -> tuple[int, list[int]]:
         """The longest suffix of `context` (up to max_match tokens) that ends somewhere in the
-        stream with at least one token after it, and the positions where it ends (latest
-        first, at most max_candidates looked at)."""
+        stream with at least one token after it, and the positions where it ends. Candidates
+        come from the longest key of the context that has some (latest first, at most
+        max_candidates of them looked at)."""
         for k in KEYS:
-            if len(context) >= k:
-                ends = self.ends.get(tuple(context[-k:]))
-                if ends and ends[0] < self.end - 1:  # not only the stream's own end
-                    break
-        else:
-            return 0, []
-        best, found = 0, []
-        for pos in itertools.islice(reversed(ends), max_candidates):
-            if pos + 1 >= self.end or self.at(pos + 1) == SEPARATOR:
-                continue  # nothing followed it (yet)
-            m = k
-            limit = min(max_match, len(context), pos - self.base + 1)
-            while m < limit and self.at(pos - m) == context[-m - 1]:
-                m += 1
-            if m > best:
-                best, found = m, [pos]
-            elif m == best:
-                found.append(pos)
-        return best, found
+            if len(context) < k or (ends := self.ends.get(hash(tuple(context[-k:])))) is None:
+                continue
+            if isinstance(ends, int):
+                ends = [ends]
+            best, found = 0, []
+            for pos in itertools.islice(reversed(ends), max_candidates):
+                if pos < self.first:
+                    break  # older ones no longer count
+                if pos + 1 >= self.end or self.at(pos + 1) == SEPARATOR:
+                    continue  # nothing followed it (yet)
+                m, limit = 0, min(max_match, len(context), pos - self.base + 1)
+                while m < limit and self.at(pos - m) == context[-m - 1]:
+                    m += 1
+                if m > best:
+                    best, found = m, [pos]
+                elif m == best and m:
+                    found.append(pos)
+            if found:
+                return best, found
+        return 0, []
 
     def grow(
         self, ends: list[int], depth: int, budget: int, min_token_prob: float
@@ -180,7 +187,9 @@ class SharedOutputs:
         if not output or self.tokens_per_tenant == 0:
             return
         name = self._name(tenant)
-        index = self.indices.pop(name, None) or SuffixIndex(self.tokens_per_tenant)
+        index = self.indices.pop(name, None)
+        if index is None:
+            index = SuffixIndex(self.tokens_per_tenant)
         self.indices[name] = index
         index.add_document(output)
         while len(self.indices) > self.tenants:
@@ -261,14 +270,14 @@ class SuffixProposer(Proposer):
     def _own(self, job: DraftJob) -> SuffixIndex:
         """The sequence's index, brought up to its accepted history (rebuilt after a
         rollback); assumed tokens are matched, not indexed."""
-        tokens = job.tokens[: len(job.tokens) - job.assumed]
+        tokens, n = job.tokens, len(job.tokens) - job.assumed
         index = self.requests.get(job.seq_id)
         held = index.end if index is not None else 0
-        stale = held > len(tokens) or (held and index.at(held - 1) != tokens[held - 1])
+        stale = held > n or (held and index.at(held - 1) != tokens[held - 1])
         if index is None or stale:
             index = self.requests[job.seq_id] = SuffixIndex()
             held = 0
-        index.extend(tokens[held:])
+        index.extend(tokens[held:n])
         return index
 
     def forget(self, seq_id: str) -> None:
