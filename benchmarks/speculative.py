@@ -138,9 +138,8 @@ def start_drafter(cluster: LocalCluster, settings: dict, port: int) -> str:
     cluster.start_service("drafter", port=port)
     cluster.wait_ready("drafter", 600)
     store = RequestStore.from_url(cluster.redis_url)
-    return running_drafter_dtype(
-        store, f"127.0.0.1:{port}", settings.get("proposer", "draft_model")
-    )
+    proposer = settings.get("proposer", DrafterSettings().proposer)
+    return running_drafter_dtype(store, f"127.0.0.1:{port}", proposer)
 
 
 def wanted(label: str, args) -> bool:
