@@ -177,7 +177,7 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
     from specserve.common.settings import VerifierSettings
     from specserve.verifier.speculator import Speculator
 
-    def budgets(**settings):
+    def budgets(measured=True, **settings):
         speculator = Speculator(
             VerifierSettings.load(
                 None, speculative_decoding=True, discover_drafters=False, **settings
@@ -188,6 +188,9 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
         for _ in range(3):
             seq = make_sequence([5, 6, 7], output=[8], max_tokens=200)
             seq.kv = SimpleNamespace(length=3)
+            if measured:  # poor acceptance, measured over many drafts of either kind
+                seq.drawn_tested = seq.free_tested = 100
+                seq.drawn_accepted = seq.free_accepted = 30
             seqs.append(seq)
         policy = speculator.policy
         if policy is not None:  # a big batch whose nodes cost more than they return
@@ -201,6 +204,10 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
     adaptive = dict(speculation_policy="adaptive", verification_tree_size=6)
     assert budgets(**adaptive, deep_tree_size=0) == [(0, 0)] * 3  # the policy still decides
     assert budgets(**adaptive, deep_tree_size=64) == [(0, 0)] * 3
+    # Not measured yet: they draft at the cap (model-free trees at the draft model's) to
+    # find out, rather than never drafting on the service-wide rate alone.
+    assert budgets(False, **adaptive, deep_tree_size=64) == [(6, 6)] * 3
+    assert budgets(False, **adaptive, deep_tree_size=0) == [(6, 0)] * 3
 
 
 def test_a_model_free_tree_with_draft_distributions_is_dropped():

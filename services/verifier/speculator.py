@@ -26,6 +26,8 @@ from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+EXPLORE_TOKENS = 8  # draft tokens of a kind checked before a sequence's own rate is trusted
+
 
 class Speculator:
     """What the engine asks of speculation: each step's trees (`propose`), what the step
@@ -95,9 +97,16 @@ class Speculator:
                 (cap, deep) if pin else (0, 0)
                 for cap, deep, pin in zip(caps, deep_caps, pinned, strict=True)
             ]
+        # A sequence whose own rate is not measured yet drafts at its cap (model-free trees
+        # at the draft model's): judged by the service-wide rate alone, a sequence that
+        # would gain (code, say, where a prior fit for prose says no) might never draft.
         policy = self.policy
         model = [
-            Candidate(cap, policy.alpha(s.drawn_accepted, s.drawn_tested), pin)
+            Candidate(
+                cap,
+                policy.alpha(s.drawn_accepted, s.drawn_tested),
+                pin or s.drawn_tested < EXPLORE_TOKENS,
+            )
             for s, cap, pin in zip(seqs, caps, pinned, strict=True)
         ]
         ks = policy.budgets(model, other_tokens)
@@ -106,6 +115,10 @@ class Speculator:
             for s, cap, pin in zip(seqs, deep_caps, pinned, strict=True)
         ]
         deep = policy.deep_budgets(free, policy.rate(model, ks, other_tokens))
+        deep = [
+            max(d, min(c, self.tree_size)) if s.free_tested < EXPLORE_TOKENS else d
+            for s, c, d in zip(seqs, deep_caps, deep, strict=True)
+        ]
         return list(zip(ks, deep, strict=True))
 
     def observe_step(self, tokens: int, verify_seconds: float, prefill_tokens: int) -> None:
