@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto models run test bench bench-load bench-kv bench-engine gpu-check gpu-bundle lint \
+.PHONY: setup install proto models run test bench bench-load bench-kv bench-learn bench-engine gpu-check gpu-bundle lint \
 	clean image image-gpu k8s-secrets k8s-render
 
 setup: install proto models
@@ -58,6 +58,12 @@ bench-kv: setup
 	$(PY) -m benchmarks.kv_concurrency --tiny --requests 48 --max-seq-len 4096
 	$(PY) -m benchmarks.kv_concurrency --tiny --requests 48 --max-seq-len 8192
 	$(PY) -m benchmarks.kv_concurrency --tiny --requests 48 --max-seq-len 4096 --block-size 32
+
+# Proposers that learn (README "Speculation that learns"): float32, as bfloat16 is slow on
+# CPUs without AMX; then 20 requests of one tenant sharing a tool-call schema.
+bench-learn: setup
+	$(PY) -m benchmarks.speculative --dtype float32 --only "chain 6" "ngram 10" suffix default prompt_lookup
+	$(PY) -m benchmarks.agentic
 
 # The engine alone (no cluster) against its bandwidth bounds; LABEL keys the run in
 # benchmarks/results/engine.json (e.g. `make bench-engine LABEL=after`).

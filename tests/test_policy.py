@@ -19,6 +19,7 @@ from specserve.verifier.policy import (
 def policy_with(a, b, c, d, max_budget=8) -> AdaptivePolicy:
     policy = AdaptivePolicy(max_budget)
     policy.cost.coef = Coefficients(a, b, c, d)
+    policy.cost.per_token_known = True
     policy.steps = 1  # away from a probe step
     return policy
 
@@ -129,4 +130,5 @@ def test_steps_of_one_size_leave_the_token_cost_unknown_and_drafts_get_tried():
     assert policy.cost.coef.a == pytest.approx(0.45) and policy.cost.coef.b == 0.0
     policy.steps = 1
     assert policy.budgets([Candidate(6, 0.6)], 0) == [6]
-    assert policy.deep_budgets([Candidate(64, 0.6)], 2.0) == [64]
+    # ... but not deep: 64 nodes of unknown cost could take many times a step
+    assert policy.deep_budgets([Candidate(64, 0.6)], 2.0) == [6]

@@ -196,6 +196,7 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
         if policy is not None:  # a big batch whose nodes cost more than they return
             policy.steps = 1
             policy.cost.coef.a, policy.cost.coef.b = 0.1, 0.2
+            policy.cost.per_token_known = True
             policy.service_alpha = policy.service_free_alpha = 0.3
         return speculator.budgets(seqs)
 

@@ -60,6 +60,7 @@ class CostModel:
         self.verify: deque[tuple[int, float]] = deque(maxlen=window)
         self.draft: deque[tuple[int, int, float]] = deque(maxlen=draft_window)
         self.coef = Coefficients()
+        self.per_token_known = False  # b was fitted from steps of two sizes or more
         self._since_fit = 0
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
@@ -82,7 +83,8 @@ class CostModel:
             x = np.array([[1.0, n] for n, _ in self.verify])
             y = np.array([s for _, s in self.verify])
             sizes = Counter(n for n, _ in self.verify)
-            if sum(count >= 2 for count in sizes.values()) >= 2:
+            self.per_token_known = sum(count >= 2 for count in sizes.values()) >= 2
+            if self.per_token_known:
                 self.coef.a, self.coef.b = _nonnegative_lstsq(x, y)
             else:  # one step size seen (a stray other): what a token costs is unknown, and
                 self.coef.a, self.coef.b = float(y.mean()), 0.0  # taken as 0: drafts get tried
@@ -149,6 +151,8 @@ class AdaptivePolicy:
         deepest k whose last node still pays, alpha^k >= b x rate (the tokens the node is
         expected to add against those the step's rate loses in the node's verify time b)."""
         lost = self.cost.coef.b * rate
+        if not self.cost.per_token_known:  # b = 0 only stands for "not measured yet"
+            return [c.cap if c.pinned else min(c.cap, self.max_budget) for c in candidates]
         budgets = []
         for c in candidates:
             if c.pinned or c.alpha >= 1.0 or lost <= 0.0:
