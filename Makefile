@@ -61,9 +61,13 @@ bench-kv: setup
 
 # Proposers that learn (README "Speculation that learns"): float32, as bfloat16 is slow on
 # CPUs without AMX; then 20 requests of one tenant sharing a tool-call schema.
+# BENCH_DEVICE=cuda (and BENCH_DTYPE=bfloat16) on a machine with a GPU.
+BENCH_DEVICE ?= cpu
+BENCH_DTYPE ?= float32
 bench-learn: setup
-	$(PY) -m benchmarks.speculative --dtype float32 --only "chain 6" "ngram 10" suffix default prompt_lookup
-	$(PY) -m benchmarks.agentic
+	$(PY) -m benchmarks.speculative --dtype $(BENCH_DTYPE) --device $(BENCH_DEVICE) \
+		--only "chain 6" "ngram 10" suffix default prompt_lookup
+	$(PY) -m benchmarks.agentic --dtype $(BENCH_DTYPE) --device $(BENCH_DEVICE)
 
 # The engine alone (no cluster) against its bandwidth bounds; LABEL keys the run in
 # benchmarks/results/engine.json (e.g. `make bench-engine LABEL=after`).

@@ -2,7 +2,7 @@
 shape of their answers (one JSON tool call each), one after another, through the cluster.
 
     python -m benchmarks.agentic [--requests 20] [--tokens 96] [--dtype float32]
-                                 [--proposer hybrid] [--out benchmarks/results]
+                                 [--proposer hybrid] [--device cpu] [--out benchmarks/results]
 
 The default pair, greedy, batch 1, the verifier's adaptive policy. The drafter runs the
 default config's proposer (hybrid: suffix tree and the draft model's int8 chain of 6) unless
@@ -110,6 +110,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--proposer", default="hybrid", choices=["hybrid", "suffix", "draft_model"])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (target and draft)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     drafter_port = free_port()
@@ -120,9 +121,11 @@ def main() -> None:
         "width": 1,
         "max_depth": 6,
         "torch_threads": args.threads,
+        "device": args.device,
     }
     config = {
         "verifier": {
+            "device": args.device,
             "dtype": args.dtype,
             "batch_size": 1,
             "interactive_reserved_slots": 0,
@@ -166,9 +169,10 @@ def main() -> None:
         assert r["ids"] == rows[n - 1]["ids"], f"request {n}: plain output differs"
     report = {
         "command": f"python -m benchmarks.agentic --requests {args.requests} --tokens "
-        f"{args.tokens} --dtype {args.dtype} --proposer {args.proposer}",
+        f"{args.tokens} --dtype {args.dtype} --proposer {args.proposer} --device {args.device}",
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} threads, "
+        f"device {args.device}",
         "configuration": f"target qwen2.5-coder-1.5b-instruct {args.dtype}; drafter "
         f"{args.proposer}, draft model in {SHORT[ran]} chain 6; verifier adaptive policy, "
         "verification_tree_size 6, deep_tree_size 64; greedy; batch 1; one tenant",
