@@ -47,6 +47,10 @@ def chaos(tmp_path_factory, tiny_model_dir):
         tiny_model_dir,
         scheduler={"dead_verifier_grace_seconds": 0.5},
         verifier={"speculative_decoding": True, "draft_timeout_seconds": 1.0},
+        # The draft model's trees, not the default hybrid's: suffix drafts of the tiny model's
+        # repetitive output would finish a request in a few deep steps, before the kills,
+        # drains and deadlines these tests aim at its middle could land.
+        drafter={"proposer": "draft_model"},
     )
     cluster = LocalCluster(config, tmp_path_factory.mktemp("chaos"), redis_aof=True)
     cluster.start(timeout=180, gateway_port=free_port())
