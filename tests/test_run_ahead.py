@@ -24,12 +24,21 @@ def test_the_likeliest_path_follows_first_children_and_subtrees_reroot():
     assert subtree(tree, 0, budget=2).token_ids == [7, 8]
 
 
-def test_a_run_ahead_tree_is_used_only_when_the_step_went_as_assumed():
-    copied = list(range(100, 140))
-    history = [*copied, 7, *copied[:10]]
+COPIED = list(range(100, 140))
+HISTORY = [*COPIED, 7, *COPIED[:10]]  # copying: the suffix tree drafts what follows
+
+
+def drafted() -> tuple[SuffixProposer, DraftJob, DraftTree]:
+    """A proposer, a step's job and the tree it got."""
     proposer = SuffixProposer()
-    job = DraftJob("s", list(history), 8)
+    job = DraftJob("s", list(HISTORY), 8)
     (tree,) = proposer.propose([job])
+    return proposer, job, tree
+
+
+def test_a_run_ahead_tree_is_used_only_when_the_step_went_as_assumed():
+    copied, history = COPIED, HISTORY
+    proposer, job, tree = drafted()
     path = likeliest_path(tree)
     assert path == copied[10:18]
 
@@ -54,12 +63,8 @@ def test_a_run_ahead_tree_is_used_only_when_the_step_went_as_assumed():
 
 
 def test_a_run_ahead_tree_of_a_kind_this_step_wants_none_of_is_not_used():
-    copied = list(range(100, 140))
-    history = [*copied, 7, *copied[:10]]
-    proposer = SuffixProposer()
-    job = DraftJob("s", list(history), 8)
-    (tree,) = proposer.propose([job])
+    proposer, job, tree = drafted()
     ahead = RunAhead()
     ahead.draft(proposer, [(job, tree)])
-    went = [*history, *likeliest_path(tree), copied[18]]
-    assert ahead.take(DraftJob("s", went, 8, deep_budget=0), accepted_len=len(history)) is None
+    went = [*HISTORY, *likeliest_path(tree), COPIED[18]]
+    assert ahead.take(DraftJob("s", went, 8, deep_budget=0), accepted_len=len(HISTORY)) is None
