@@ -6,6 +6,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -151,3 +152,18 @@ class Client:
                 self.reattached += 1
                 time.sleep(0.3)  # a client's retry backoff: the event it waits for is its next try
             self.error = "gave up"
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(") ", 1)[-1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and stat[0] != "Z":
+            found.append(int(entry.name))
+    return found

@@ -44,6 +44,52 @@ class Segment:
 
 
 @dataclass
+class Placed:
+    """One segment laid out on the host: its new tokens and the pool slots of its entries.
+    A step is built from these alone, so every rank of a tensor-parallel model builds the same
+    step from what rank 0 placed (tensor_parallel.py)."""
+
+    token_ids: list[int]  # [n]
+    positions: list[int]  # [n]
+    past: int  # entries before the new tokens
+    slots: torch.Tensor  # [past + n] int64 slot of every entry; the last n are written now
+    mask: torch.Tensor | None  # as Segment.mask
+    mask_from: int | None  # as Segment.mask_from
+    logits_from: int  # first row that gets logits
+
+
+@dataclass
+class Step:
+    """The work of one forward pass, on the host: what rank 0 plans and every rank runs."""
+
+    placed: list[Placed]
+    moves: tuple[torch.Tensor, torch.Tensor] | None  # [m] from, to: entries moved first
+
+
+def place(segments: list[Segment]) -> list[Placed]:
+    """Reserves KV room for each segment's new tokens and lays it out. kv.length is left as it
+    was: the caller advances it once the pass is done (Batch.advance)."""
+    placed = []
+    for seg in segments:
+        n, past = len(seg.token_ids), seg.kv.length
+        if n == 0:
+            raise ValueError("a segment has no tokens")
+        seg.kv.reserve(past + n)
+        placed.append(
+            Placed(
+                token_ids=list(seg.token_ids),
+                positions=list(seg.positions or range(past, past + n)),
+                past=past,
+                slots=seg.kv.slots(0, past + n),
+                mask=seg.mask,
+                mask_from=seg.mask_from,
+                logits_from=n - 1 if seg.logits_from < 0 else seg.logits_from,
+            )
+        )
+    return placed
+
+
+@dataclass
 class AttentionGroup:
     """Sequences of a step that one attention call covers, padded together."""
 
@@ -69,31 +115,29 @@ class Batch:
 
     @classmethod
     def build(cls, segments: list[Segment], device: torch.device) -> Batch:
-        """Reserves KV room for the new tokens and lays the step out. kv.length is left as it
-        was: the caller advances it once the pass is done (`advance`)."""
-        ids, positions, writes, reads, rows, counts, starts = [], [], [], [], [], [], []
+        """Reserves KV room for the new tokens and lays the step out (kv.length as it was)."""
+        return cls.of(place(segments), device)
+
+    @classmethod
+    def of(cls, placed: list[Placed], device: torch.device) -> Batch:
+        """The step's index tensors on `device`, from its placed segments."""
+        ids, positions, writes, rows, counts, starts = [], [], [], [], [], []
         start = 0
-        for seg in segments:
-            n, past = len(seg.token_ids), seg.kv.length
-            if n == 0:
-                raise ValueError("a segment has no tokens")
-            seg.kv.reserve(past + n)
-            ids.extend(seg.token_ids)
-            positions.extend(seg.positions or range(past, past + n))
-            writes.append(seg.kv.slots(past, past + n))
-            reads.append(seg.kv.slots(0, past + n))
-            first = n - 1 if seg.logits_from < 0 else seg.logits_from
-            rows.append(torch.arange(start + first, start + n))
-            counts.append(n - first)
+        for p in placed:
+            n = len(p.token_ids)
+            ids.extend(p.token_ids)
+            positions.extend(p.positions)
+            writes.append(p.slots[p.past :])
+            rows.append(torch.arange(start + p.logits_from, start + n))
+            counts.append(n - p.logits_from)
             starts.append(start)
             start += n
-        short = [i for i, seg in enumerate(segments) if len(seg.token_ids) <= SHORT_TOKENS]
-        long = [i for i, seg in enumerate(segments) if len(seg.token_ids) > SHORT_TOKENS]
-        members = [short, long] if short and long else [list(range(len(segments)))]
+        short = [i for i, p in enumerate(placed) if len(p.token_ids) <= SHORT_TOKENS]
+        long = [i for i, p in enumerate(placed) if len(p.token_ids) > SHORT_TOKENS]
+        members = [short, long] if short and long else [list(range(len(placed)))]
         groups = [
             attention_group(
-                [segments[i] for i in group],
-                [reads[i] for i in group],
+                [placed[i] for i in group],
                 None if len(members) == 1 else [starts[i] for i in group],
                 device,
             )
@@ -115,14 +159,12 @@ class Batch:
             seg.kv.length += len(seg.token_ids)
 
 
-def attention_group(
-    segments: list[Segment], reads: list[torch.Tensor], starts: list[int] | None, device
-) -> AttentionGroup:
-    """The padded layout of `segments`, whose entries are at the slots `reads`; `starts` are
-    the first rows of their tokens in the flat batch (None: the group is the whole batch)."""
-    news = [len(seg.token_ids) for seg in segments]
-    pasts = [seg.kv.length for seg in segments]
-    b, n_max, l_max = len(segments), max(news), max(len(r) for r in reads)
+def attention_group(placed: list[Placed], starts: list[int] | None, device) -> AttentionGroup:
+    """The padded layout of `placed`; `starts` are the first rows of their tokens in the flat
+    batch (None: the group is the whole batch)."""
+    news = [len(p.token_ids) for p in placed]
+    reads = [p.slots for p in placed]
+    b, n_max, l_max = len(placed), max(news), max(len(r) for r in reads)
     kv_slots, kv_range, query_index, output_index = None, None, None, None
     if b == 1 and bool((reads[0][1:] - reads[0][:-1] == 1).all()):
         kv_range = (int(reads[0][0]), l_max)
@@ -150,22 +192,23 @@ def attention_group(
         kv_range=kv_range,
         query_index=query_index,
         output_index=output_index,
-        mask=build_mask(segments, pasts, news, n_max, l_max, device),
+        mask=build_mask(placed, news, n_max, l_max, device),
         shape=(b, n_max, l_max),
     )
 
 
 def build_mask(
-    segments: list[Segment], pasts: list[int], news: list[int], n_max: int, l_max: int, device
+    placed: list[Placed], news: list[int], n_max: int, l_max: int, device
 ) -> torch.Tensor | None:
     """[B, 1, Nmax, Lmax] bool: entry j is visible to new token i of sequence b. Causal from
     the sequence's past length, built by comparing index ranges on the device; a segment's own
     mask replaces its part from mask_from on. Padded query rows see entry 0 only (a row that
     sees nothing would be NaN); they are dropped after attention. None when every token sees
     every entry (one sequence decoding one token)."""
-    explicit = [i for i, seg in enumerate(segments) if seg.mask is not None]
-    if len(segments) == 1 and n_max == 1 and not explicit:
+    explicit = [i for i, p in enumerate(placed) if p.mask is not None]
+    if len(placed) == 1 and n_max == 1 and not explicit:
         return None
+    pasts = [p.past for p in placed]
     past = torch.tensor(pasts, device=device)[:, None, None]  # [B, 1, 1]
     new = torch.tensor(news, device=device)[:, None, None]
     row = torch.arange(n_max, device=device)[None, :, None]  # [1, Nmax, 1]
@@ -173,7 +216,7 @@ def build_mask(
     mask = (col <= past + row) & (row < new)  # [B, Nmax, Lmax]
     mask[:, :, 0] |= (row < new).logical_not()[:, :, 0]
     for i in explicit:
-        seg = segments[i]
-        start = pasts[i] if seg.mask_from is None else seg.mask_from
-        mask[i, : news[i], start : pasts[i] + news[i]] = seg.mask.to(device)
+        p = placed[i]
+        start = p.past if p.mask_from is None else p.mask_from
+        mask[i, : news[i], start : p.past + news[i]] = p.mask.to(device)
     return mask[:, None]

@@ -21,10 +21,11 @@ import time
 import torch
 
 from .attention import attend, write_kv
-from .batch import Batch, Segment
+from .batch import Batch, Segment, Step, place
 from .compiler import CompileFailed, Compiler
 from .kv_cache import BLOCK_SIZE, KVPool, OutOfBlocks, SequenceKV
 from .settings import ConfigError
+from .tensor_parallel import Shards, ShardsLost
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,10 @@ class UnsupportedModel(ValueError):
 class FlatModel:
     """Runs a Hugging Face causal LM of the Qwen2/Llama family over flat batches of Segments.
 
-    Owns the KV pool its sequences' entries live in (`new_kv` hands out a sequence's share)."""
+    Owns the KV pool its sequences' entries live in (`new_kv` hands out a sequence's share).
+    With `shards`, the model is one rank's shard of a tensor-parallel model
+    (tensor_parallel.py): rank 0 plans each step and sends it to the other ranks, which run it
+    through `run` alone; only rank 0 gets logits."""
 
     def __init__(
         self,
@@ -57,6 +61,7 @@ class FlatModel:
         kv_tokens: int = 4096,
         block_size: int = BLOCK_SIZE,
         compiler: Compiler | None = None,
+        shards: Shards | None = None,
     ):
         config = hf_model.config
         if config.model_type not in SUPPORTED:
@@ -76,21 +81,33 @@ class FlatModel:
         )
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.shards = shards
+        if shards is not None:
+            shards.vocab_start = shards.rank * self.body.embed_tokens.num_embeddings
         self.use_pool(kv_tokens, block_size)
 
         self.compiler = compiler
         self.front, self.back = self._front, self._back
+        self.out, self.mlp = self._out, self._mlp
         if compiler is not None:
             self.front, self.back = compiler(self._front), compiler(self._back)
+            self.out, self.mlp = compiler(self._out), compiler(self._mlp)
 
     @classmethod
     def prepare(
-        cls, hf_model, *, compile: bool, key: str, on_graph=None, kv_tokens: int = 4096
+        cls,
+        hf_model,
+        *,
+        compile: bool,
+        key: str,
+        on_graph=None,
+        kv_tokens: int = 4096,
+        shards: Shards | None = None,
     ) -> tuple[FlatModel, float]:
         """A FlatModel, compiled when `compile`, and warmed up; with the warm-up's seconds.
         A compile failure stops the start with a ConfigError naming the config `key`."""
         compiler = Compiler(on_graph) if compile else None
-        model = cls(hf_model, kv_tokens=kv_tokens, compiler=compiler)
+        model = cls(hf_model, kv_tokens=kv_tokens, compiler=compiler, shards=shards)
         try:
             seconds = model.warm_up()
         except CompileFailed as e:
@@ -118,7 +135,7 @@ class FlatModel:
             self.forward([Segment(kv, [0, 0])])
             self.forward([Segment(kv, [0])])
         except Exception as e:
-            if self.compiler is None:
+            if self.compiler is None or isinstance(e, ShardsLost):
                 raise
             cause = e  # dynamo wraps what the compiler raised
             while (inner := getattr(cause, "inner_exception", cause.__cause__)) is not None:
@@ -135,6 +152,8 @@ class FlatModel:
         """A new, empty KV pool of `tokens` (whole blocks) for this model's sequences: fixed in
         size, or growing as sequences need; its prefix hashes are rooted in `model_version`.
         Sequences of the pool before are no longer valid."""
+        if self.shards is not None and self.shards.leader:
+            self._send(("pool", tokens, block_size))
         self.pool = KVPool(
             len(self.layers),
             self.kv_heads,
@@ -146,6 +165,7 @@ class FlatModel:
             fixed=fixed,
             model_version=model_version,
         )
+        self.pool.mirrored = self.shards is not None and self.shards.leader
         return self.pool
 
     def new_kv(self) -> SequenceKV:
@@ -154,19 +174,73 @@ class FlatModel:
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
-        """Logits (float32) for each segment's rows from logits_from on: [rows, vocab] each."""
-        batch = Batch.build(segments, self.device)
-        hidden = self.body.embed_tokens(batch.input_ids)  # [T, hidden]
+        """Logits (float32) for each segment's rows from logits_from on: [rows, vocab] each.
+        With shards, the other ranks run the same step; a rank's failure raises ShardsLost."""
+        step = Step(place(segments), self.pool.take_moves())
+        if self.shards is None:
+            logits = self.run(step)
+        else:
+            self._send(step)
+            try:
+                logits = self.run(step)
+            except Exception as e:
+                raise self._lost(e) from e
+        Batch.advance(segments)
+        return logits
+
+    @torch.inference_mode()
+    def run(self, step: Step) -> list[torch.Tensor]:
+        """Runs a planned step on this rank's weights and KV: every rank of a tensor-parallel
+        model runs each step (the others from what rank 0 sent); logits come back on rank 0."""
+        batch = Batch.of(step.placed, self.device)
+        if step.moves is not None and self.shards is not None and not self.shards.leader:
+            self.pool.move(*step.moves)  # (rank 0 moved its entries when they were kept)
+        shards = self.shards
+        if shards is None:
+            hidden = self.body.embed_tokens(batch.input_ids)  # [T, hidden]
+        else:
+            hidden = shards.embed(self.body.embed_tokens, batch.input_ids)
         cos, sin = self.body.rotary_emb(hidden, batch.positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, head_dim]
         for index, layer in enumerate(self.layers):
             q, k, v = self.front(layer, hidden, cos, sin)
             write_kv(self.pool, index, batch, k, v)
-            hidden = self.back(layer, hidden, attend(self.pool, index, batch, q))
-        Batch.advance(segments)
+            attended = attend(self.pool, index, batch, q)
+            if shards is None:
+                hidden = self.back(layer, hidden, attended)
+            else:  # row-parallel products: each rank's is a partial sum
+                hidden = hidden + shards.reduce(self.out(layer, attended))
+                hidden = hidden + shards.reduce(self.mlp(layer, hidden))
         hidden = self.body.norm(hidden[batch.logit_rows])  # [rows, hidden]
         logits = self.hf.lm_head(hidden).float()
+        if shards is not None and (logits := shards.gather_vocab(logits)) is None:
+            return []
         return list(torch.split(logits, batch.logit_counts))
+
+    def follow(self) -> None:
+        """The other ranks' loop: runs what rank 0 sends until it sends None (stop)."""
+        while (message := self.shards.receive()) is not None:
+            if isinstance(message, Step):
+                self.run(message)
+            else:
+                _, tokens, block_size = message
+                self.use_pool(tokens, block_size)
+
+    def _send(self, message) -> None:
+        if self.shards.lost:
+            raise ShardsLost(self.shards.lost)
+        try:
+            self.shards.send(message)
+        except Exception as e:
+            raise self._lost(e) from e
+
+    def _lost(self, error: Exception) -> ShardsLost:
+        """The group is broken (a rank died or hangs, or this one failed mid-step: the others
+        are out of step with it). Every later call raises."""
+        if not isinstance(error, ShardsLost):
+            lines = str(error).strip().splitlines()
+            self.shards.lost = f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+        return ShardsLost(self.shards.lost)
 
     def _front(self, layer, hidden, cos, sin):
         """The layer up to attention: [T, hidden] -> q [T, heads, head_dim], k and v
@@ -180,8 +254,17 @@ class FlatModel:
 
     def _back(self, layer, hidden, attended):
         """The layer after attention: output projection, residuals and the MLP."""
-        hidden = hidden + layer.self_attn.o_proj(attended.reshape(hidden.shape[0], -1))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + self._out(layer, attended)
+        return hidden + self._mlp(layer, hidden)
+
+    @staticmethod
+    def _out(layer, attended):
+        """[T, heads, head_dim] -> [T, hidden]: the attention's output projection."""
+        return layer.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
+
+    @staticmethod
+    def _mlp(layer, hidden):
+        return layer.mlp(layer.post_attention_layernorm(hidden))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

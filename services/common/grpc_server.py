@@ -79,6 +79,7 @@ class Server:
         if self.port == 0:
             raise RuntimeError(f"cannot bind {host}:{port}")
         self.stopped = threading.Event()
+        self.failure: str | None = None  # why the server stopped itself (fail), if it did
         self.set_serving(False)
 
     def set_serving(self, serving: bool) -> None:
@@ -111,6 +112,14 @@ class Server:
                 self.stopped.wait(period)
 
         threading.Thread(target=run, name="health", daemon=True).start()
+
+    def fail(self, reason: str) -> None:
+        """Stops the server as a signal would, from a failure it cannot serve past (the
+        process then exits non-zero, for whatever supervises it to start it again)."""
+        log.error("stopping: cannot go on serving", extra={"reason": reason})
+        self.failure = reason
+        self.set_serving(False)
+        self.stopped.set()
 
     def run_until_signal(self, drain_seconds: float, on_stop: Callable[[], None] = lambda: None):
         """Serves until SIGTERM/SIGINT, then reports NOT_SERVING and drains in-flight RPCs."""

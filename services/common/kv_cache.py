@@ -74,6 +74,10 @@ class KVPool:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # sealed, unreferenced; LRU first
         self.hits = 0  # blocks handed out from the cache (tokens = hits * block_size)
         self._orphans: list[list[int]] = []  # tables of sequences collected unfreed
+        # Set on rank 0 of a tensor-parallel model: moves are kept for the other ranks, which
+        # make them at the start of the next step (Step.moves); nothing touches KV in between.
+        self.mirrored = False
+        self._moves: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._lock = threading.Lock()
 
     @property
@@ -184,6 +188,26 @@ class KVPool:
         blocks = torch.tensor(table[first:last], dtype=torch.long)
         slots = (blocks[:, None] * size + torch.arange(size)).flatten()
         return slots[start - first * size : end - first * size]
+
+    @torch.inference_mode()
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies the entries at slots `src` to slots `dst` ([m] host tensors), every layer."""
+        device = self.keys.device
+        to, frm = dst.to(device), src.to(device)
+        for tensor in (self.keys, self.values):
+            tensor[:, to] = tensor[:, frm]
+        if self.mirrored:
+            with self._lock:
+                self._moves.append((src, dst))
+
+    def take_moves(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The moves made since the last call, as one (src, dst) pair, in order (a later move
+        never reads what an earlier one wrote: each sequence moves within its own blocks)."""
+        with self._lock:
+            moves, self._moves = self._moves, []
+        if not moves:
+            return None
+        return torch.cat([m[0] for m in moves]), torch.cat([m[1] for m in moves])
 
     def orphaned(self, table: list[int]) -> None:
         """A sequence was collected without being freed: its blocks go back at the next call
@@ -328,10 +352,8 @@ class SequenceKV:
 
         Used after tree verification: the accepted path's nodes move next to the prefix."""
         if offsets != list(range(len(offsets))):
-            src = self.slots(start, start + max(offsets) + 1)[offsets].to(self.pool.keys.device)
-            dst = self.slots(start, start + len(offsets)).to(self.pool.keys.device)
-            for tensor in (self.pool.keys, self.pool.values):
-                tensor[:, dst] = tensor[:, src]
+            src = self.slots(start, start + max(offsets) + 1)[offsets]
+            self.pool.move(src, self.slots(start, start + len(offsets)))
         self.length = start + len(offsets)
         self.trim()
 

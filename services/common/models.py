@@ -311,8 +311,16 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_model(path: Path, device: str, dtype: str, *, setting: str = "dtype"):
-    """Loads a causal LM for inference (eval mode, no grad bookkeeping).
+def load_model(
+    path: Path,
+    device: str,
+    dtype: str,
+    *,
+    setting: str = "dtype",
+    shard: tuple[int, int] | None = None,
+):
+    """Loads a causal LM for inference (eval mode, no grad bookkeeping); with `shard` (rank,
+    ranks), only that rank's shard of its weights (tensor_parallel.py).
 
     dtype "int8" / "int4": weight-only quantised linear layers on torch's own kernels (see
     common/quant.py), quantised from the bfloat16 weights (loading float32 first would double
@@ -327,12 +335,23 @@ def load_model(path: Path, device: str, dtype: str, *, setting: str = "dtype"):
     try:
         if quantised:
             quant.probe(dtype, device)  # before the load: a minute saved on a failure
-        load_dtype = "bfloat16" if quantised else dtype
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(load_dtype))
-        model = model.to(device).eval()
+        load_dtype = torch_dtype("bfloat16" if quantised else dtype)
+        if shard is not None:
+            from .tensor_parallel import load_shard
+
+            model = load_shard(path, *shard, load_dtype, device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=load_dtype)
+            model = model.to(device).eval()
         return quant.quantize(model, dtype) if quantised else model
     except quant.QuantError as e:
         raise ModelError(f"{setting}: {dtype} cannot run on {device}: {e}") from e
+
+
+def weight_bytes(model) -> int:
+    """Bytes of a loaded model's weights and buffers (a tied weight counted once)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def loaded_dtype(model) -> str:

@@ -33,4 +33,7 @@ def run_service(name: str, config_path: str | None, port: int | None = None) -> 
     print(f"SPECSERVE_READY {name} {server.port}{metrics}", flush=True)
     server.run_until_signal(settings.drain_seconds, on_stop)
     telemetry.shutdown()
+    if server.failure:
+        print(f"{name} stopped: {server.failure}", file=sys.stderr)
+        return 1
     return 0

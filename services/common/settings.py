@@ -317,7 +317,21 @@ class VerifierSettings(ServiceSettings):
         ge=0,
         description="Cached block hashes the heartbeat publishes for prefix-aware placement.",
     )
-    torch_threads: int = Field(default=0, ge=0, description="0 = torch's default.")
+    torch_threads: int = Field(default=0, ge=0, description="0 = torch's default (per rank).")
+    tensor_parallel: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Ranks the target model is split over (one process and device each; "
+        "rank 0 serves). Must divide its attention heads, KV heads, intermediate size and "
+        "vocabulary; on cuda, one visible device per rank from `device` on.",
+    )
+    tensor_parallel_timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long the ranks may take to meet at start, and one exchange between "
+        "them while serving, before the verifier gives up (no hang on a stuck rank).",
+    )
     speculative_decoding: bool = Field(
         default=False, description="Ask drafters for trees; off = plain decoding."
     )
@@ -379,6 +393,12 @@ class VerifierSettings(ServiceSettings):
     def _check(self) -> Self:
         if self.interactive_reserved_slots >= self.batch_size:
             raise ValueError("interactive_reserved_slots must be below batch_size")
+        if self.tensor_parallel > 1 and self.device != "cpu":
+            import torch
+
+            from .tensor_parallel import rank_devices
+
+            rank_devices(self.device, self.tensor_parallel, torch.cuda.device_count())
         return self
 
 

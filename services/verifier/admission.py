@@ -140,7 +140,9 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def kv_budget(configured: int, fraction: float, model: FlatModel) -> int:
-    """The configured budget, or `fraction` of the memory free now, in tokens."""
+    """The configured budget, or `fraction` of the memory free now, in tokens. The ranks of a
+    tensor-parallel model on the CPU share its memory: each holds 1/N of a token's entries."""
     if configured:
         return configured
-    return int(free_memory_bytes(model.device) * fraction) // bytes_per_token(model)
+    shared = model.shards.world if model.shards and model.device.type == "cpu" else 1
+    return int(free_memory_bytes(model.device) * fraction) // (bytes_per_token(model) * shared)

@@ -27,6 +27,7 @@ import torch
 
 from ..common.outage import REDIS_UNREACHABLE, OutageLog
 from ..common.store import RequestStore, StepState
+from ..common.tensor_parallel import ShardsLost
 from ..common.tree import DraftTree
 from . import metrics, preemption, stages
 from .acceptance import Candidates, Verdict, select_each
@@ -89,6 +90,10 @@ class Engine:
         self.failed_steps = 0  # steps in a row that failed for every sequence in them
         self._outage = OutageLog(log, "decode loop")
         self.tick = time.monotonic()  # when the loop last went round (the wedge check)
+        # Why the model can compute no more steps (a tensor-parallel rank was lost), once so;
+        # on_lost is told, once the requests are handed back.
+        self.lost: str | None = None
+        self.on_lost: Callable[[str], None] = lambda _why: None
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # --- called from RPC threads ----------------------------------------------------------
@@ -133,6 +138,11 @@ class Engine:
         while time.monotonic() < deadline and (self.running or not self._inbox.empty()):
             time.sleep(0.05)
         self.stop()
+        return self._hand_back()
+
+    def _hand_back(self) -> int:
+        """Hands every request here back to the queue with its progress (the loop is not
+        running); how many were."""
         self._take_new(block=False)
         handed = 0
         for seq in list(self.running.values()):
@@ -149,6 +159,9 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.tick = time.monotonic()
+            if why := self.runner.lost():
+                self._lose(why)
+                return
             self._take_new(block=not self._runnable())
             if not self.running:
                 continue
@@ -162,6 +175,9 @@ class Engine:
                 log.exception("redis error in step; retrying")
                 self._stop.wait(0.5)
                 continue
+            except ShardsLost as e:
+                self._lose(str(e))
+                return
             except Exception as e:
                 ok = False
                 self._fail_running(e)
@@ -169,6 +185,15 @@ class Engine:
             if not ok:
                 metrics.FAILED_STEPS.inc()
             self.failed_steps = 0 if ok else self.failed_steps + 1
+
+    def _lose(self, why: str) -> None:
+        """The model lost a rank: no step can run here again. The requests go back to the
+        queue with what they emitted (another verifier goes on from there; the reaper
+        requeues any this cannot hand back), and on_lost stops the verifier."""
+        log.error("tensor-parallel group lost; handing the requests back", extra={"reason": why})
+        self.lost = why
+        self._hand_back()
+        self.on_lost(why)
 
     def _fail_running(self, error: Exception) -> None:
         """A step failed outside any one sequence's part: every running sequence ends with

@@ -98,3 +98,9 @@ FAILED_STEPS = Counter(
     "specserve_verifier_failed_steps_total",
     "Steps that failed for every sequence in them (health turns NOT_SERVING after a few).",
 )
+WEIGHT_BYTES = Gauge(
+    "specserve_verifier_weight_bytes",
+    "Bytes of the target's weights each rank holds (one rank unless tensor parallel).",
+    ["rank"],
+)
+RANKS = Gauge("specserve_verifier_tensor_parallel_ranks", "Ranks the target model spans.")

@@ -8,6 +8,7 @@ import time
 import torch
 
 from ..common.flat_model import FlatModel, Segment
+from ..common.tensor_parallel import ShardsLost
 from ..common.tree import DraftTree
 from .sequence import Sequence
 
@@ -22,6 +23,10 @@ class ModelRunner:
 
     def __init__(self, model: FlatModel):
         self.model = model
+
+    def lost(self) -> str | None:
+        """Why the model can run no more steps (a tensor-parallel rank was lost), if so."""
+        return self.model.shards.lost if self.model.shards is not None else None
 
     def verify(
         self, seqs: list[Sequence], trees: list[DraftTree], takes: list[int | None] | None = None
@@ -52,6 +57,9 @@ class ModelRunner:
         computed = [seq.num_computed for seq in seqs]
         try:
             results = self.verify(seqs, trees, takes)
+        except ShardsLost:
+            rewind(seqs, computed)
+            raise  # (not the sequences' failure: the engine hands them back)
         except Exception as e:
             rewind(seqs, computed)
             if len(seqs) == 1:

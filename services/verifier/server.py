@@ -17,14 +17,16 @@ from opentelemetry import trace
 from ..common import models, telemetry
 from ..common.flat_model import FlatModel
 from ..common.grpc_server import Server
-from ..common.settings import VerifierSettings
+from ..common.settings import ConfigError, VerifierSettings
 from ..common.store import RequestStore, heartbeat_forever, now_ms
+from ..common.tensor_parallel import ShardError, shard_config
 from ..v1 import verifier_pb2 as pb
 from ..v1 import verifier_pb2_grpc as pb_grpc
 from . import metrics
 from .admission import Admission, Refused, kv_budget
 from .drafter_pool import registered_drafters
 from .engine import Engine
+from .ranks import Ranks
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -137,6 +139,9 @@ class VerifierService(pb_grpc.VerifierServicer):
             return self._held(rid)
         if self.draining:
             return pb.AdmitResponse(admitted=False, reason="the verifier is draining")
+        if self.engine.lost:
+            reason = f"the verifier lost a tensor-parallel rank: {self.engine.lost}"
+            return pb.AdmitResponse(admitted=False, reason=reason)
         rec = self.store.get(rid)
         if rec is None or rec.status != "queued":
             return pb.AdmitResponse(admitted=False, reason="the request is not queued")
@@ -250,16 +255,56 @@ class VerifierService(pb_grpc.VerifierServicer):
             "kv_budget": admission.kv_budget,
             "max_seq_len": self.settings.max_seq_len,
             "draining": int(self.draining),
+            "tensor_parallel": self.settings.tensor_parallel,
             "prefixes": ",".join(admission.pool.summary(self.settings.prefix_summary_blocks)),
             **load,
         }
+
+
+def load_target(settings: VerifierSettings, path) -> tuple[object, Ranks | None]:
+    """The target model, or with tensor_parallel > 1 rank 0's shard of it, the other ranks
+    started and holding theirs (ranks.py)."""
+    world = settings.tensor_parallel
+    if world == 1:
+        model = models.load_model(path, settings.device, settings.dtype, setting="verifier.dtype")
+        metrics.WEIGHT_BYTES.labels("0").set(models.weight_bytes(model))
+        return model, None
+    from transformers import AutoConfig
+
+    try:
+        shard_config(AutoConfig.from_pretrained(str(path)), world)
+    except ShardError as e:
+        raise ConfigError(str(e)) from e
+    ranks = Ranks.launch(path, settings)
+    try:
+        model = models.load_model(
+            path, settings.device, settings.dtype, setting="verifier.dtype", shard=(0, world)
+        )
+        by_rank = {0: models.weight_bytes(model), **ranks.loaded()}
+    except BaseException:
+        ranks.close()
+        raise
+    for rank, size in by_rank.items():
+        metrics.WEIGHT_BYTES.labels(str(rank)).set(size)
+    log.info("tensor-parallel shards loaded", extra={"weight_bytes": by_rank})
+    return model, ranks
 
 
 def build(settings: VerifierSettings) -> tuple[Server, callable]:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     path, manifest = models.resolve(settings.model, settings.model_cache_dir)
-    model = models.load_model(path, settings.device, settings.dtype, setting="verifier.dtype")
+    model, ranks = load_target(settings, path)
+    metrics.RANKS.set(settings.tensor_parallel)
+    try:
+        return serve(settings, path, manifest, model, ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+
+
+def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None):
     tokenizer = models.load_tokenizer(path)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -275,7 +320,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     vid = settings.verifier_id or address
     speculator = Speculator(
         settings,
-        model.config.vocab_size,
+        model.config.vocab_size * settings.tensor_parallel,  # (a shard's is 1/N of it)
         discover=lambda: registered_drafters(store, settings.pool),
     )
     flat, warm_up_s = FlatModel.prepare(
@@ -283,6 +328,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         compile=settings.compile,
         key="verifier.compile",
         on_graph=lambda _: metrics.COMPILED_GRAPHS.inc(),
+        shards=ranks and ranks.shards,
     )
     metrics.WARM_UP_SECONDS.set(warm_up_s)
     served = Served.of(settings, models.fingerprint(path, manifest))
@@ -313,6 +359,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         max_unread_tokens=settings.max_unread_tokens,
         pause_timeout_seconds=settings.pause_timeout_seconds,
     )
+    engine.on_lost = server.fail  # (a lost rank: the verifier exits, to restart as a group)
     service = VerifierService(settings, engine, store, vid, served)
     pb_grpc.add_VerifierServicer_to_server(service, server.grpc)
     stop_hb = threading.Event()
@@ -328,11 +375,14 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         daemon=True,
     )
     heartbeat.start()
+    if ranks is not None:
+        ranks.watch()
     server.watch(
         {
             "redis reachable": store.ping,
             "decode loop going round": lambda: engine.alive(settings.stall_seconds),
             "steps succeeding": engine.healthy,
+            "tensor-parallel ranks in step": lambda: not engine.lost,
         }
     )
     log.info(
@@ -348,6 +398,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
             "kv_budget_tokens": pool.tokens,
             "kv_block_size": pool.block_size,
             "drafters": settings.drafter_addresses,
+            "tensor_parallel": settings.tensor_parallel,
         },
     )
 
@@ -360,5 +411,7 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         stop_hb.set()
         heartbeat.join(timeout=5)
         speculator.close()
+        if ranks is not None:
+            ranks.close()
 
     return server, on_stop
