@@ -3,11 +3,13 @@ whole cluster: greedy output with speculation on and off equals plain Hugging Fa
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+
 import grpc
 import pytest
 
 from conftest import DEVICE, cluster_config, default_target_dir
-from helpers import generate, request
+from helpers import generate, request, scrape
 from specserve.common import models
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -51,3 +53,52 @@ def test_default_pair_greedy_matches_hf_with_speculation_on_and_off(tmp_path, to
     assert on.final.speculation.accepted_tokens > 0
     assert on.final.speculation.steps < 12
     assert off.final.speculation.drafted_tokens == 0
+
+
+def test_the_default_target_over_two_ranks_matches_hf(tmp_path, tokenizer):
+    """The 1.5B target split over 2 gloo ranks (float32), two requests at once, drafted by the
+    suffix proposer (the first copies its prompt, so trees are accepted): Hugging Face's greedy
+    output, token for token; each rank holds about half the weights."""
+    prompts = [
+        "Repeat this line three times, nothing else:\nthe quick brown fox jumps over the lazy dog",
+        "Write a haiku about Redis.",
+    ]
+    config = cluster_config(
+        None,
+        verifier={
+            "batch_size": 2,
+            "speculative_decoding": True,
+            "speculation_policy": "fixed",  # (adaptive may find no tree pays on this CPU)
+            "tensor_parallel": 2,
+            "metrics_port": 0,
+        },
+        drafter={"proposer": "suffix"},
+    )
+    cluster = LocalCluster(config, tmp_path)
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in prompts
+    ]
+    jobs = [tokenizer(t).input_ids for t in texts]
+    try:
+        cluster.start(timeout=300)
+        with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            with cf.ThreadPoolExecutor(2) as pool:
+                results = list(
+                    pool.map(
+                        lambda ids: generate(stub, request(prompt_ids=ids, max_tokens=24), 600),
+                        jobs,
+                    )
+                )
+        metrics = scrape(cluster.procs["verifier"].metrics_port)
+    finally:
+        cluster.stop()
+    model = models.load_model(default_target_dir(), DEVICE, "float32")
+    for ids, res in zip(jobs, results, strict=True):
+        assert res.ids == hf_greedy(model, ids, 24)
+    assert results[0].final.speculation.accepted_tokens > 0  # (it copies the prompt's line)
+    halves = [metrics[f'specserve_verifier_weight_bytes{{rank="{r}"}}'] for r in (0, 1)]
+    assert halves[0] == halves[1] < 0.51 * models.weight_bytes(model)

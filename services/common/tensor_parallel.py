@@ -69,6 +69,7 @@ def shard_config(config, world: int, *, key: str = "verifier.tensor_parallel"):
     shard.num_key_value_heads = config.num_key_value_heads // world
     shard.intermediate_size = config.intermediate_size // world
     shard.vocab_size = config.vocab_size // world
+    shard.pad_token_id = None  # (an embedding's padding row; it may be past this shard's rows)
     return shard
 
 
