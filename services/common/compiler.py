@@ -1,4 +1,5 @@
-"""torch.compile for the forward pass, regionally: the two dense halves of a decoder layer.
+"""torch.compile for the forward pass, regionally: the two dense halves of a decoder layer
+(three pieces on a tensor-parallel rank, whose exchanges sit between them).
 
 A decoder layer is compiled once and that code serves every layer (the layers differ only in
 their weights, which are graph inputs). The token count is a dynamic dimension, so a step of

@@ -89,9 +89,12 @@ class FlatModel:
         self.compiler = compiler
         self.front, self.back = self._front, self._back
         self.out, self.mlp = self._out, self._mlp
-        if compiler is not None:
-            self.front, self.back = compiler(self._front), compiler(self._back)
-            self.out, self.mlp = compiler(self._out), compiler(self._mlp)
+        if compiler is not None:  # (a rank's layer has an exchange after out and after mlp)
+            self.front = compiler(self._front)
+            if shards is None:
+                self.back = compiler(self._back)
+            else:
+                self.out, self.mlp = compiler(self._out), compiler(self._mlp)
 
     @classmethod
     def prepare(
