@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto models run test bench bench-load bench-kv bench-learn bench-engine gpu-check gpu-bundle lint \
+.PHONY: setup install proto models run test bench bench-load bench-kv bench-learn bench-tp bench-engine gpu-check gpu-bundle lint \
 	clean image image-gpu k8s-secrets k8s-render
 
 setup: install proto models
@@ -68,6 +68,11 @@ bench-learn: setup
 	$(PY) -m benchmarks.speculative --dtype $(BENCH_DTYPE) --device $(BENCH_DEVICE) \
 		--only "chain 6" "ngram 10" suffix default prompt_lookup
 	$(PY) -m benchmarks.agentic --dtype $(BENCH_DTYPE) --device $(BENCH_DEVICE)
+
+# The default target over 2 ranks x 1 thread against 1 rank x 2 threads (README "Tensor
+# parallelism"); BENCH_DEVICE=cuda on a machine with 2 GPUs.
+bench-tp: setup
+	$(PY) -m benchmarks.tensor_parallel --ranks 2 --threads 2 --dtype float32 --device $(BENCH_DEVICE)
 
 # The engine alone (no cluster) against its bandwidth bounds; LABEL keys the run in
 # benchmarks/results/engine.json (e.g. `make bench-engine LABEL=after`).

@@ -155,6 +155,7 @@ def _plan(args: argparse.Namespace) -> int:
         acceptance_source=source,
         target_tokens_per_s=args.target_tokens_per_s,
         target_ttft_s=args.target_ttft_ms / 1000,
+        tensor_parallel=args.tensor_parallel,
     )
     result = plan.plan(shape(args.model), shape(args.draft), device, load)
     print(plan.render(result))
@@ -342,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--target-tokens-per-s", type=float, default=0.0, help="per stream; 0: none")
     pl.add_argument("--target-ttft-ms", type=float, default=0.0, help="0: none")
+    pl.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=0,
+        help="devices each verifier spans (verifier.tensor_parallel); 0: the fewest that "
+        "hold the target's weights",
+    )
     pl.add_argument("--out", help="also write the plan as JSON here")
     pl.set_defaults(func=_plan)
 

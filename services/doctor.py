@@ -129,7 +129,12 @@ def model_files(settings: dict[str, ServiceSettings]) -> Iterator[Finding]:
             continue
         sha = manifest.get("sha256", "")[:16]
         yield Finding("ok", f"{role} model", f"{ref.label} at {path} (sha256 {sha}...)")
-        need += shape_from_dir(path).params * DTYPE_BYTES.get(dtype, 2)
+        weights = shape_from_dir(path).params * DTYPE_BYTES.get(dtype, 2)
+        if role == "target" and verifier.tensor_parallel > 1:
+            yield tensor_parallel(verifier, path)
+            if verifier.device != "cpu":  # (on the CPU the ranks share its memory)
+                weights /= verifier.tensor_parallel
+        need += weights
     if need:
         free = free_memory_bytes(verifier.device)
         level = "ok" if free > 1.2 * need else "warn" if free > need else "fail"
@@ -139,6 +144,29 @@ def model_files(settings: dict[str, ServiceSettings]) -> Iterator[Finding]:
             "memory for the models",
             f"{need / 1e9:.1f} GB of weights, {free / 1e9:.1f} GB free on {verifier.device}{fix}",
         )
+
+
+def tensor_parallel(verifier, path: Path) -> Finding:
+    """Whether the target splits over verifier.tensor_parallel ranks, and the exchange
+    between them is built in (NCCL on CUDA, gloo on the CPU). Enough devices for the ranks
+    is checked with the config (the settings refuse too few)."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from .common.tensor_parallel import ShardError, shard_config
+
+    n = verifier.tensor_parallel
+    backend = "gloo" if verifier.device == "cpu" else "nccl"
+    built = dist.is_available() and (
+        dist.is_gloo_available() if backend == "gloo" else dist.is_nccl_available()
+    )
+    if not built:
+        return Finding("fail", "tensor parallel", f"this torch has no {backend}: no ranks can meet")
+    try:
+        shard_config(AutoConfig.from_pretrained(str(path)), n)
+    except ShardError as e:
+        return Finding("fail", "tensor parallel", str(e))
+    return Finding("ok", "tensor parallel", f"the target splits over {n} ranks ({backend})")
 
 
 def certificates(settings: dict[str, ServiceSettings]) -> Iterator[Finding]:

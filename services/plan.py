@@ -59,6 +59,8 @@ class Shape:
     vocab_size: int = 0
     hidden_size: int = 0
     tied_embeddings: bool = True
+    heads: int = 0  # attention heads (0: unknown)
+    intermediate_size: int = 0
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -87,7 +89,16 @@ def shape_from_config(config: dict) -> Shape:
     params = layers * per_layer + embeddings + hidden
     tied = bool(config.get("tie_word_embeddings"))
     return Shape(
-        params, layers, kv_heads, head_dim, "computed from config.json", vocab, hidden, tied
+        params,
+        layers,
+        kv_heads,
+        head_dim,
+        "computed from config.json",
+        vocab,
+        hidden,
+        tied,
+        heads,
+        inter,
     )
 
 
@@ -173,6 +184,7 @@ class Load:
     target_tokens_per_s: float = 0.0  # per stream; 0: none
     target_ttft_s: float = 0.0  # 0: none
     max_batch: int = 64
+    tensor_parallel: int = 0  # devices a verifier spans; 0: the fewest that hold the weights
 
 
 def plan(target: Shape, draft: Shape | None, device: Device, load: Load) -> dict:
@@ -184,17 +196,20 @@ def plan(target: Shape, draft: Shape | None, device: Device, load: Load) -> dict
     kv_sequence = kv_token * context
     usable = device.memory_bytes * USABLE_MEMORY
     devices_for_weights = math.ceil(weights / usable)
-    fits = devices_for_weights == 1
-    per_verifier = min(load.max_batch, int((usable - weights) // kv_sequence)) if fits else 0
+    # A verifier over n devices (tensor parallel) holds 1/n of the weights and of every
+    # sequence's KV on each, and reads them all at once: n times the memory, the bandwidth
+    # and the FLOP/s of one (the exchanges between them left out: a ceiling).
+    n = load.tensor_parallel or devices_for_weights
+    fits = weights <= n * usable
+    per_verifier = min(load.max_batch, int((n * usable - weights) // kv_sequence)) if fits else 0
     verifiers = math.ceil(load.concurrency / per_verifier) if per_verifier > 0 else None
     batch = min(per_verifier, math.ceil(load.concurrency / verifiers)) if verifiers else 0
     mean_context = load.prompt_tokens + load.output_tokens / 2
 
     def step_seconds(batch_size: int) -> float:
-        return (weights + batch_size * mean_context * kv_token) / device.bandwidth_bytes_s
+        return (weights + batch_size * mean_context * kv_token) / (n * device.bandwidth_bytes_s)
 
-    # A verifier spread over several devices (tensor parallel) has their FLOP/s together.
-    prefill_floor = target.prefill_flops(load.prompt_tokens) / (device.flops * devices_for_weights)
+    prefill_floor = target.prefill_flops(load.prompt_tokens) / (device.flops * n)
 
     out = {
         "target_params": (target.params, target.source),
@@ -205,11 +220,13 @@ def plan(target: Shape, draft: Shape | None, device: Device, load: Load) -> dict
         "device": (device.name, device.source),
         "device_memory_bytes": (device.memory_bytes, device.source),
         "device_bandwidth_bytes_s": (device.bandwidth_bytes_s, device.source),
-        "fits_one_device": (fits, "computed"),
+        "fits_one_device": (devices_for_weights == 1, "computed"),
         "devices_per_verifier_needed": (devices_for_weights, "computed"),
+        "tensor_parallel": (n, "given" if load.tensor_parallel else "computed"),
+        "weights_fit_tensor_parallel": (fits, "computed"),
         "sequences_per_verifier": (per_verifier, "computed"),
         "verifier_replicas": (verifiers, "computed"),
-        "devices": ((verifiers or 0) * devices_for_weights, "computed"),
+        "devices": ((verifiers or 0) * n, "computed"),
         "plain_decode_ceiling_tokens_s_per_stream": (1 / step_seconds(1), "computed"),
         "plain_decode_tokens_s_per_stream_at_batch": (
             1 / step_seconds(max(1, batch)),
@@ -221,6 +238,9 @@ def plan(target: Shape, draft: Shape | None, device: Device, load: Load) -> dict
         "ttft_estimate_s": (prefill_floor / PREFILL_EFFICIENCY + step_seconds(batch), "computed"),
         "acceptance_per_draft_token": (load.acceptance, load.acceptance_source),
     }
+    if n > 1 and target.heads:
+        sizes = (target.heads, target.kv_heads, target.intermediate_size, target.vocab_size)
+        out["tensor_parallel_divides_model"] = (all(x % n == 0 for x in sizes), "computed")
     if draft is not None:
         draft_step = draft.params * b / device.bandwidth_bytes_s
         target_step = step_seconds(max(1, batch))

@@ -41,7 +41,7 @@ def render(overlay: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
-@pytest.fixture(scope="module", params=["dev", "gpu", "canary"])
+@pytest.fixture(scope="module", params=["dev", "gpu", "gpu-tp", "canary"])
 def objects(request) -> list[dict]:
     return render(request.param)
 
@@ -131,6 +131,25 @@ def test_the_gpu_overlay_gives_each_verifier_a_gpu():
     container = verifier["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert {"name": "SPECSERVE_VERIFIER_DEVICE", "value": "cuda"} in container["env"]
+
+
+def test_the_tensor_parallel_overlay_gives_a_verifier_pod_a_gpu_per_rank():
+    """One pod, N GPUs, N ranks: the GPU limit and verifier.tensor_parallel agree, the pod is
+    on CUDA, and /dev/shm is memory (NCCL's buffers; a container's default is 64 MB)."""
+    verifier = next(
+        o
+        for o in render("gpu-tp")
+        if o["metadata"]["name"] == "verifier" and o["kind"] == "StatefulSet"
+    )
+    pod = verifier["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    ranks = int(env["SPECSERVE_VERIFIER_TENSOR_PARALLEL"])
+    assert ranks > 1 and container["resources"]["limits"]["nvidia.com/gpu"] == ranks
+    assert env["SPECSERVE_VERIFIER_DEVICE"] == "cuda"
+    shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = next(v for v in pod["volumes"] if v["name"] == shm["name"])
+    assert volume["emptyDir"]["medium"] == "Memory"
 
 
 def test_the_canary_overlay_adds_a_canary_pool_beside_the_stable_one():

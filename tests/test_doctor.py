@@ -78,3 +78,23 @@ def test_no_redis_and_expiring_certificates_are_reported(tmp_path, tiny_model_di
     assert found["redis"] == "fail" and "unreachable" in run.stdout
     assert found["certificate gateway.pem"] == "warn" and "expires in 9 days" in run.stdout
     assert found["certificate drafter.pem"] == "fail"
+
+
+def test_a_target_that_does_not_split_over_the_ranks_is_reported(
+    tmp_path, tiny_model_dir, tiny_tp_model_dir
+):
+    """verifier.tensor_parallel: 2 over the tiny model, whose vocabulary (the tokenizer's
+    151,665) is odd: the doctor says so, with the numbers; the padded one splits."""
+    found = {}
+    for name, model_dir in (("odd", tiny_model_dir), ("padded", tiny_tp_model_dir)):
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(
+            yaml.safe_dump(cluster_config(model_dir, verifier={"tensor_parallel": 2}))
+        )
+        found[name] = doctor(config).stdout
+    assert "fail  tensor parallel" in found["odd"]
+    assert "2 does not divide the model's vocabulary (151665)" in found["odd"]
+    assert (
+        "ok    tensor parallel" in found["padded"]
+        and "splits over 2 ranks (gloo)" in (found["padded"])
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -55,6 +56,28 @@ def test_a_70b_model_by_hand():
     flops = 2 * (70_553_706_496 - 2 * 128256 * 8192) * 2048 + 2 * 128256 * 8192
     assert shape.prefill_flops(2048) == flops == 280_382_968_692_736
     assert value(result, "ttft_floor_s") == pytest.approx(flops / (2 * 989e12))  # 0.142 s
+
+
+def test_a_70b_model_over_two_and_three_devices():
+    """Over 2 H200s (verifier.tensor_parallel: 2) a verifier holds 70B with room for KV and
+    reads it at twice one device's bandwidth; 3 does not divide its 64 heads."""
+    shape = shape_from_config(LLAMA_70B)
+    load = Load(concurrency=32, prompt_tokens=2048, output_tokens=512, tensor_parallel=2)
+    result = plan(shape, None, PRESETS["h200"], load)
+    weights, kv_token = 141_107_412_992, 327_680
+    assert value(result, "tensor_parallel") == 2
+    assert value(result, "weights_fit_tensor_parallel") is True
+    per_verifier = (2 * 141e9 * 0.9 - weights) // (2560 * kv_token)
+    assert value(result, "sequences_per_verifier") == min(64, per_verifier)
+    assert value(result, "devices") == 2
+    ceiling = 2 * 4.8e12 / (weights + 1792 * kv_token)
+    assert value(result, "plain_decode_ceiling_tokens_s_per_stream") == pytest.approx(ceiling)
+    assert value(result, "tensor_parallel_divides_model") is True
+    three = plan(shape, None, PRESETS["h200"], replace(load, tensor_parallel=3))
+    assert value(three, "tensor_parallel_divides_model") is False
+    one = plan(shape, None, PRESETS["h200"], replace(load, tensor_parallel=1))
+    assert value(one, "weights_fit_tensor_parallel") is False
+    assert value(one, "sequences_per_verifier") == 0
 
 
 def test_the_default_pair_by_hand():

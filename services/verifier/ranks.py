@@ -107,8 +107,9 @@ class Ranks:
         return ranks
 
     def loaded(self) -> dict[int, int]:
-        """Waits for every rank to have loaded its shard; its weights' bytes, by rank."""
-        self._wait_for("loaded", max(self.spec.timeout_s, 600.0))
+        """Waits (once rank 0 has loaded its own shard: they load at the same time) for every
+        rank to have loaded its shard; its weights' bytes, by rank."""
+        self._wait_for("loaded", self.spec.timeout_s)
         return {r: int(self.store.get(f"loaded/{r}")) for r in range(1, self.spec.world)}
 
     def _wait_for(self, stage: str, timeout_s: float) -> None:
