@@ -40,20 +40,14 @@ def tokenizer():
 
 
 def save_tiny_qwen(
-    path: Path,
-    tokenizer,
-    noise: float = 0.0,
-    hidden_size: int = 64,
-    intermediate_size: int = 128,
-    vocab_size: int | None = None,
+    path: Path, tokenizer, noise: float = 0.0, hidden_size: int = 64, intermediate_size: int = 128
 ) -> Path:
     """A 2-layer random Qwen2 with the default target's tokenizer, saved in float32; with
-    noise, every weight of that same model is perturbed by noise * its tensor's std. Its
-    vocabulary is the tokenizer's unless `vocab_size` pads it (as the default target's is)."""
+    noise, every weight of that same model is perturbed by noise * its tensor's std."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
-        vocab_size=vocab_size or len(tokenizer),
+        vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=2,
@@ -78,19 +72,6 @@ def save_tiny_qwen(
 def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
     """The tiny target."""
     return save_tiny_qwen(tmp_path_factory.mktemp("tiny-model"), tokenizer)
-
-
-@pytest.fixture(scope="session")
-def tiny_tp_model_dir(tmp_path_factory, tokenizer) -> Path:
-    """A tiny target that splits over 2 ranks: its vocabulary padded to a multiple of 64 (the
-    tokenizer's 151,665 is odd), as the default target's 151,936 is."""
-    vocab = -(-len(tokenizer) // 64) * 64
-    return save_tiny_qwen(tmp_path_factory.mktemp("tiny-tp-model"), tokenizer, vocab_size=vocab)
-
-
-@pytest.fixture(scope="session")
-def tiny_tp_model(tiny_tp_model_dir):
-    return models.load_model(tiny_tp_model_dir, DEVICE, "float32")
 
 
 @pytest.fixture(scope="session")

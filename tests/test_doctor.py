@@ -80,21 +80,15 @@ def test_no_redis_and_expiring_certificates_are_reported(tmp_path, tiny_model_di
     assert found["certificate drafter.pem"] == "fail"
 
 
-def test_a_target_that_does_not_split_over_the_ranks_is_reported(
-    tmp_path, tiny_model_dir, tiny_tp_model_dir
-):
-    """verifier.tensor_parallel: 2 over the tiny model, whose vocabulary (the tokenizer's
-    151,665) is odd: the doctor says so, with the numbers; the padded one splits."""
+def test_a_target_that_does_not_split_over_the_ranks_is_reported(tmp_path, tiny_model_dir):
+    """verifier.tensor_parallel over the tiny model (4 heads, 2 KV heads): 3 ranks cannot
+    split it, and the doctor says so with the numbers; 2 can."""
     found = {}
-    for name, model_dir in (("odd", tiny_model_dir), ("padded", tiny_tp_model_dir)):
-        config = tmp_path / f"{name}.yaml"
-        config.write_text(
-            yaml.safe_dump(cluster_config(model_dir, verifier={"tensor_parallel": 2}))
-        )
-        found[name] = doctor(config).stdout
-    assert "fail  tensor parallel" in found["odd"]
-    assert "2 does not divide the model's vocabulary (151665)" in found["odd"]
-    assert (
-        "ok    tensor parallel" in found["padded"]
-        and "splits over 2 ranks (gloo)" in (found["padded"])
-    )
+    for ranks in (2, 3):
+        config = tmp_path / f"tp{ranks}.yaml"
+        settings = cluster_config(tiny_model_dir, verifier={"tensor_parallel": ranks})
+        config.write_text(yaml.safe_dump(settings))
+        found[ranks] = doctor(config).stdout
+    assert "fail  tensor parallel" in found[3]
+    assert "3 does not divide the model's attention heads (4)" in found[3]
+    assert "ok    tensor parallel" in found[2] and "splits over 2 ranks (gloo)" in found[2]

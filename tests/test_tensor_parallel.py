@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import grpc
@@ -116,7 +117,7 @@ def test_a_verifier_whose_model_does_not_split_stops_at_start_naming_the_key(
 
 
 # --- ranks that never meet -------------------------------------------------------------------
-def test_a_rank_that_hangs_before_joining_fails_the_start_within_the_timeout(tiny_tp_model_dir):
+def test_a_rank_that_hangs_before_joining_fails_the_start_within_the_timeout(tiny_model_dir):
     """Rank 1 is stopped (SIGSTOP) as soon as it exists, long before it can join (importing
     torch alone takes it a second): the launch fails after the timeout, naming the rank and
     the key, and leaves no process behind."""
@@ -131,43 +132,60 @@ def test_a_rank_that_hangs_before_joining_fails_the_start_within_the_timeout(tin
     stopper = threading.Thread(target=stop_rank_1)
     stopper.start()
     with pytest.raises(RanksFailed, match=r"rank\(s\) 1 of 2 not joined within 3 s .*timeout"):
-        Ranks.launch(tiny_tp_model_dir, rank_settings(timeout_s=3))
+        Ranks.launch(tiny_model_dir, rank_settings(timeout_s=3))
     stopper.join()
     assert found and not any(pid in ranks_of(os.getpid()) for pid in found)
 
 
 # --- one model over two ranks ----------------------------------------------------------------
+EXCHANGE_TIMEOUT_S = 8.0  # short: an idle group must outlive it (see below)
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tiny_tp_model_dir):
+def two_ranks(tiny_model_dir):
     """Rank 0 here (this process), rank 1 a process of its own: a FlatModel over both."""
-    ranks = Ranks.launch(tiny_tp_model_dir, rank_settings())
+    ranks = Ranks.launch(tiny_model_dir, rank_settings(EXCHANGE_TIMEOUT_S))
     try:
-        shard = models.load_model(tiny_tp_model_dir, "cpu", "float32", shard=(0, 2))
+        shard = models.load_model(tiny_model_dir, "cpu", "float32", shard=(0, 2))
         loaded = {0: models.weight_bytes(shard), **ranks.loaded()}
         yield FlatModel(shard, shards=ranks.shards), loaded
     finally:
         ranks.close()
 
 
-def test_each_rank_holds_half_the_weights(two_ranks, tiny_tp_model):
+def test_each_rank_holds_half_the_weights(two_ranks, tiny_model):
     _, loaded = two_ranks
-    whole = models.weight_bytes(tiny_tp_model)
-    norms = [p for n, p in tiny_tp_model.named_parameters() if "norm" in n]
+    whole = models.weight_bytes(tiny_model)
+    norms = [p for n, p in tiny_model.named_parameters() if "norm" in n]
     replicated = sum(  # every rank holds the norms and the rotary frequencies
-        t.numel() * t.element_size() for t in [*norms, *tiny_tp_model.buffers()]
+        t.numel() * t.element_size() for t in [*norms, *tiny_model.buffers()]
     )
     assert loaded[0] == loaded[1] == (whole - replicated) // 2 + replicated
 
 
-def test_two_ranks_compute_what_one_does_step_after_step(two_ranks, tiny_tp_model):
+def test_an_idle_group_waits_for_its_next_step_past_the_exchange_timeout(two_ranks):
+    """The exchange timeout bounds a step, not the wait for one: a verifier with no work for
+    longer than it still runs its next step over both ranks."""
+    sharded, _ = two_ranks
+    kv = sharded.new_kv()
+    try:
+        (before,) = sharded.forward([Segment(kv, [1, 2, 3])])
+        time.sleep(1.5 * EXCHANGE_TIMEOUT_S)  # (idle is the point: nothing to wait for)
+        (after,) = sharded.forward([Segment(kv, [4])])
+        assert before.shape == after.shape and sharded.shards.lost is None
+    finally:
+        kv.free()
+
+
+def test_two_ranks_compute_what_one_does_step_after_step(two_ranks, tiny_model):
     """Random steps over several sequences (a shared prefix reused from the cache, prompts,
     draft trees whose accepted paths are kept, rollbacks, frees) on one rank and on two: every
     logit row agrees to float32 rounding and every argmax is the same."""
     sharded, _ = two_ranks
-    whole = FlatModel(tiny_tp_model)
+    whole = FlatModel(tiny_model)
     pools = [m.use_pool(2048, 4, fixed=True) for m in (whole, sharded)]
     rng = random.Random(0)
-    vocab = tiny_tp_model.config.vocab_size
+    vocab = tiny_model.config.vocab_size
     system = [rng.randrange(vocab) for _ in range(13)]
     live: list[list] = []  # [kv on one rank, kv on two, pending token ids]
     rows = 0
@@ -237,7 +255,7 @@ def tp_cluster(tmp_path, model_dir, **verifier):
 
 
 def test_greedy_over_two_ranks_equals_the_targets_own_output(
-    tmp_path, tiny_tp_model_dir, tiny_tp_model, tokenizer
+    tmp_path, tiny_model_dir, tiny_model, tokenizer
 ):
     """Eight requests at once on a verifier of 2 ranks, with the draft model's trees, a shared
     system prompt and a KV pool too small for all of them (so some are preempted and
@@ -246,7 +264,7 @@ def test_greedy_over_two_ranks_equals_the_targets_own_output(
     jobs = [tokenizer(system + p).input_ids for p in PROMPTS] * 2
     need = max(len(ids) for ids in jobs) + 48  # the worst case of three fits, not four
     budget = -(-3 * need // 16) * 16
-    cluster = tp_cluster(tmp_path, tiny_tp_model_dir, batch_size=4, kv_budget_tokens=budget)
+    cluster = tp_cluster(tmp_path, tiny_model_dir, batch_size=4, kv_budget_tokens=budget)
     try:
         channel = grpc.insecure_channel(cluster.procs["gateway"].address)
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -255,7 +273,7 @@ def test_greedy_over_two_ranks_equals_the_targets_own_output(
                 pool.map(lambda ids: generate(stub, request(prompt_ids=ids, max_tokens=48)), jobs)
             )
         for ids, res in zip(jobs, results, strict=True):
-            assert res.ids == hf_greedy(tiny_tp_model, ids, 48)
+            assert res.ids == hf_greedy(tiny_model, ids, 48)
         metrics = scrape(cluster.procs["verifier"].metrics_port)
         assert metrics["specserve_verifier_tensor_parallel_ranks"] == 2
         assert metrics["specserve_verifier_drafted_tokens_total"] > 0
@@ -263,19 +281,19 @@ def test_greedy_over_two_ranks_equals_the_targets_own_output(
         assert metrics["specserve_verifier_prefix_cache_tokens_total"] > 0
         assert metrics["specserve_verifier_preemptions_total"] > 0
         halves = [metrics[f'specserve_verifier_weight_bytes{{rank="{r}"}}'] for r in (0, 1)]
-        assert halves[0] == halves[1] < 0.51 * models.weight_bytes(tiny_tp_model)
+        assert halves[0] == halves[1] < 0.51 * models.weight_bytes(tiny_model)
         channel.close()
     finally:
         cluster.stop()
 
 
 def test_a_rank_killed_mid_stream_loses_and_repeats_nothing(
-    tmp_path, tiny_tp_model_dir, tiny_tp_model, tokenizer
+    tmp_path, tiny_model_dir, tiny_model, tokenizer
 ):
     """Rank 1 of the verifier serving four streams is killed. The verifier hands its requests
     back and exits non-zero (to be restarted as a group); a second verifier finishes them:
     every index arrives once and every output is the target's own."""
-    cluster = tp_cluster(tmp_path, tiny_tp_model_dir, batch_size=8)
+    cluster = tp_cluster(tmp_path, tiny_model_dir, batch_size=8)
     try:
         store = RequestStore.from_url(cluster.redis_url)
         address = cluster.procs["gateway"].address
@@ -303,7 +321,7 @@ def test_a_rank_killed_mid_stream_loses_and_repeats_nothing(
             assert c.error == "" and c.final is not None
             indices = c.indices()
             assert sorted(indices) == list(range(len(c.ids())))  # each once, none missing
-            assert c.ids() == hf_greedy(tiny_tp_model, c.prompt_ids, 300)
+            assert c.ids() == hf_greedy(tiny_model, c.prompt_ids, 300)
             assert store.get(c.rid).requeues >= 1
     finally:
         cluster.stop()

@@ -63,7 +63,7 @@ class Step:
     """The work of one forward pass, on the host: what rank 0 plans and every rank runs."""
 
     placed: list[Placed]
-    moves: tuple[torch.Tensor, torch.Tensor] | None  # [m] from, to: entries moved first
+    moves: list[tuple[torch.Tensor, torch.Tensor]]  # ([m] from, [m] to) slots, in order, first
 
 
 def place(segments: list[Segment]) -> list[Placed]:

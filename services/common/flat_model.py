@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +45,14 @@ __all__ = [
 
 class UnsupportedModel(ValueError):
     """The model's architecture is not one this forward implements."""
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """Rank 0 to the other ranks: a new, empty KV pool of this many tokens, in these blocks."""
+
+    tokens: int
+    block_size: int
 
 
 class FlatModel:
@@ -155,8 +164,10 @@ class FlatModel:
         """A new, empty KV pool of `tokens` (whole blocks) for this model's sequences: fixed in
         size, or growing as sequences need; its prefix hashes are rooted in `model_version`.
         Sequences of the pool before are no longer valid."""
-        if self.shards is not None and self.shards.leader:
-            self._send(("pool", tokens, block_size))
+        if self.shards is not None:  # the ranks' pools never grow: all must stay the same
+            fixed = True
+            if self.shards.leader:
+                self._send(PoolShape(tokens, block_size))
         self.pool = KVPool(
             len(self.layers),
             self.kv_heads,
@@ -178,27 +189,31 @@ class FlatModel:
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
         """Logits (float32) for each segment's rows from logits_from on: [rows, vocab] each.
-        With shards, the other ranks run the same step; a rank's failure raises ShardsLost."""
+        With shards, the other ranks run the same step; from the moment it is sent, any
+        failure (theirs or this rank's: the ranks would be out of step) raises ShardsLost."""
         step = Step(place(segments), self.pool.take_moves())
+        batch = Batch.of(step.placed, self.device)  # (a layout error stops nothing but this)
         if self.shards is None:
-            logits = self.run(step)
+            logits = self.run(step, batch)
         else:
             self._send(step)
             try:
-                logits = self.run(step)
-            except Exception as e:
+                logits = self.run(step, batch)
+            except BaseException as e:
                 raise self._lost(e) from e
         Batch.advance(segments)
         return logits
 
     @torch.inference_mode()
-    def run(self, step: Step) -> list[torch.Tensor]:
+    def run(self, step: Step, batch: Batch | None = None) -> list[torch.Tensor]:
         """Runs a planned step on this rank's weights and KV: every rank of a tensor-parallel
         model runs each step (the others from what rank 0 sent); logits come back on rank 0."""
-        batch = Batch.of(step.placed, self.device)
-        if step.moves is not None and self.shards is not None and not self.shards.leader:
-            self.pool.move(*step.moves)  # (rank 0 moved its entries when they were kept)
+        if batch is None:
+            batch = Batch.of(step.placed, self.device)
         shards = self.shards
+        if shards is not None and not shards.leader:
+            for src, dst in step.moves:  # (rank 0 moved its entries as they were kept)
+                self.pool.move(src, dst)
         if shards is None:
             hidden = self.body.embed_tokens(batch.input_ids)  # [T, hidden]
         else:
@@ -223,11 +238,10 @@ class FlatModel:
     def follow(self) -> None:
         """The other ranks' loop: runs what rank 0 sends until it sends None (stop)."""
         while (message := self.shards.receive()) is not None:
-            if isinstance(message, Step):
-                self.run(message)
+            if isinstance(message, PoolShape):
+                self.use_pool(message.tokens, message.block_size)
             else:
-                _, tokens, block_size = message
-                self.use_pool(tokens, block_size)
+                self.run(message)
 
     def _send(self, message) -> None:
         if self.shards.lost:

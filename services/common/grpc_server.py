@@ -116,6 +116,8 @@ class Server:
     def fail(self, reason: str) -> None:
         """Stops the server as a signal would, from a failure it cannot serve past (the
         process then exits non-zero, for whatever supervises it to start it again)."""
+        if self.failure is not None:
+            return
         log.error("stopping: cannot go on serving", extra={"reason": reason})
         self.failure = reason
         self.set_serving(False)

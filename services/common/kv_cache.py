@@ -200,14 +200,11 @@ class KVPool:
             with self._lock:
                 self._moves.append((src, dst))
 
-    def take_moves(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The moves made since the last call, as one (src, dst) pair, in order (a later move
-        never reads what an earlier one wrote: each sequence moves within its own blocks)."""
+    def take_moves(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The moves made since the last call, in order."""
         with self._lock:
             moves, self._moves = self._moves, []
-        if not moves:
-            return None
-        return torch.cat([m[0] for m in moves]), torch.cat([m[1] for m in moves])
+        return moves
 
     def orphaned(self, table: list[int]) -> None:
         """A sequence was collected without being freed: its blocks go back at the next call

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 
 import prometheus_client
@@ -34,6 +35,8 @@ def run_service(name: str, config_path: str | None, port: int | None = None) -> 
     server.run_until_signal(settings.drain_seconds, on_stop)
     telemetry.shutdown()
     if server.failure:
-        print(f"{name} stopped: {server.failure}", file=sys.stderr)
-        return 1
+        print(f"{name} stopped: {server.failure}", file=sys.stderr, flush=True)
+        # Drained and deregistered already; a thread may still wait in a lost group's
+        # exchange, which the interpreter's shutdown could wait on in turn.
+        os._exit(1)
     return 0

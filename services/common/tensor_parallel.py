@@ -32,6 +32,10 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+# How long the other ranks wait for rank 0's next step: as long as the verifier is idle. A
+# rank 0 that dies is seen at once all the same (its connections close; the ranks die with it).
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
 # Which weights split how: by output rows (column-parallel, vocabulary), by input columns
 # (row-parallel). Everything else (norms) is replicated.
 ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
@@ -95,13 +99,18 @@ def divisors(sizes) -> str:
 
 def split_of(name: str) -> int | None:
     """The dimension a weight named `name` is split along: 0 (rows), 1 (columns) or None."""
-    parts = name.split(".")
-    module = parts[-2] if len(parts) >= 2 else ""
+    module = module_of(name)
     if module in ROWS:
         return 0
-    if module in COLUMNS and parts[-1] == "weight":
+    if module in COLUMNS and name.endswith(".weight"):
         return 1
     return None
+
+
+def module_of(name: str) -> str:
+    """The module a weight belongs to: `o_proj` of `model.layers.0.self_attn.o_proj.weight`."""
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else ""
 
 
 def load_shard(path: Path, rank: int, world: int, dtype: torch.dtype, device: str):
@@ -119,6 +128,8 @@ def load_shard(path: Path, rank: int, world: int, dtype: torch.dtype, device: st
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):  # (computed, not loaded)
+                    continue
                 state[name] = read_slice(f.get_slice(name), name, rank, world).to(dtype)
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
@@ -141,7 +152,7 @@ def read_slice(tensor_slice, name: str, rank: int, world: int) -> torch.Tensor:
     """Rank `rank`'s part of one stored tensor."""
     dim = split_of(name)
     if dim is None:
-        if rank and name.split(".")[-2] in COLUMNS:  # a row-parallel bias: added once
+        if rank and module_of(name) in COLUMNS:  # a row-parallel bias: added once
             return torch.zeros(tensor_slice.get_shape())
         return tensor_slice[:]
     shape = tensor_slice.get_shape()
@@ -180,13 +191,15 @@ class Shards:
     device: torch.device
     vocab_start: int = 0  # the first vocabulary row this rank holds
     lost: str | None = None
+    control: object = None  # the gloo group rank 0's steps go over (no idle limit)
 
     @classmethod
     def join(
         cls, store: dist.Store, rank: int, world: int, device: str, timeout_s: float
     ) -> Shards:
         """Joins the group whose members meet at `store` (NCCL on CUDA, else gloo). Every
-        exchange fails after `timeout_s` rather than wait for a rank that hangs."""
+        exchange within a step fails after `timeout_s` rather than wait for a rank that
+        hangs; the steps themselves come over a gloo group that waits as long as it takes."""
         device = torch.device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -198,7 +211,8 @@ class Shards:
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        return cls(rank, world, device)
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        return cls(rank, world, device, control=control)
 
     @property
     def leader(self) -> bool:
@@ -225,7 +239,7 @@ class Shards:
         return torch.cat(parts, dim=1) if self.leader else None
 
     def send(self, message) -> None:
-        """Rank 0: the next thing every rank does (a batch.Step, a new pool, None to stop)."""
+        """Rank 0: the next thing every rank does (a batch.Step, a PoolShape, None to stop)."""
         self._broadcast(message)
 
     def receive(self):
@@ -234,10 +248,11 @@ class Shards:
 
     def _broadcast(self, message):
         box = [message]
-        device = self.device if self.device.type == "cuda" else None
-        dist.broadcast_object_list(box, src=0, device=device)
+        dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Leaves the group; a lost one is left as it is (tearing it down can wait on the
+        rank that is gone), for the process to exit."""
+        if dist.is_initialized() and self.lost is None:
             dist.destroy_process_group()

@@ -90,9 +90,9 @@ class Engine:
         self.failed_steps = 0  # steps in a row that failed for every sequence in them
         self._outage = OutageLog(log, "decode loop")
         self.tick = time.monotonic()  # when the loop last went round (the wedge check)
-        # Why the model can compute no more steps (a tensor-parallel rank was lost), once so;
-        # on_lost is told, once the requests are handed back.
-        self.lost: str | None = None
+        # Why the model can compute no more steps (a tensor-parallel rank was lost), once the
+        # loop has handed the requests back; on_lost is told then.
+        self._lost: str | None = None
         self.on_lost: Callable[[str], None] = lambda _why: None
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -125,6 +125,12 @@ class Engine:
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(timeout=30)
+
+    @property
+    def lost(self) -> str | None:
+        """Why no step can run here again (a tensor-parallel rank is gone), if so: known to
+        the model at once, and to the loop once it has handed its requests back."""
+        return self._lost or self.runner.lost()
 
     def alive(self, stall_seconds: float) -> bool:
         """False if the loop thread died or one round has taken over `stall_seconds`."""
@@ -191,7 +197,7 @@ class Engine:
         queue with what they emitted (another verifier goes on from there; the reaper
         requeues any this cannot hand back), and on_lost stops the verifier."""
         log.error("tensor-parallel group lost; handing the requests back", extra={"reason": why})
-        self.lost = why
+        self._lost = why
         self._hand_back()
         self.on_lost(why)
 

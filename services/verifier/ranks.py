@@ -20,11 +20,13 @@ import argparse
 import ctypes
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +40,12 @@ from ..common.tensor_parallel import Shards, rank_devices
 log = logging.getLogger(__name__)
 
 WATCH_SECONDS = 0.2  # how often rank 0 looks at its ranks' processes
+# A rank lost while rank 0's decode loop waits in an exchange that may not fail soon (NCCL
+# work is asynchronous): after this long the watcher stops the verifier itself.
+STUCK_SECONDS = 10.0
+LOAD_SECONDS = 300.0  # the least time the ranks get to load their shards after rank 0 has
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)  # (resolved here: a forked child must not dlopen)
 
 
 class RanksFailed(RuntimeError):
@@ -89,9 +97,11 @@ class Ranks:
             log_level=settings.log_level,
         )
         command = [sys.executable, "-m", "specserve.verifier.ranks"]
+        parent = os.getpid()
         procs = [
             subprocess.Popen(
-                [*command, str(rank), json.dumps(asdict(spec))], preexec_fn=_die_with_parent
+                [*command, str(rank), json.dumps(asdict(spec))],
+                preexec_fn=lambda: _die_with(parent),
             )
             for rank in range(1, world)
         ]
@@ -101,15 +111,16 @@ class Ranks:
             device = rank_devices(spec.device, world, torch.cuda.device_count())[0]
             ranks.shards = Shards.join(store, 0, world, device, timeout_s)
         except BaseException:
-            ranks.close()
+            ranks.close(clean=False)
             raise
         log.info("tensor-parallel ranks joined", extra={"ranks": world, "port": spec.port})
         return ranks
 
     def loaded(self) -> dict[int, int]:
         """Waits (once rank 0 has loaded its own shard: they load at the same time) for every
-        rank to have loaded its shard; its weights' bytes, by rank."""
-        self._wait_for("loaded", self.spec.timeout_s)
+        rank to have loaded its shard, for the timeout or LOAD_SECONDS, whichever is longer;
+        its weights' bytes, by rank."""
+        self._wait_for("loaded", max(self.spec.timeout_s, LOAD_SECONDS))
         return {r: int(self.store.get(f"loaded/{r}")) for r in range(1, self.spec.world)}
 
     def _wait_for(self, stage: str, timeout_s: float) -> None:
@@ -136,29 +147,37 @@ class Ranks:
                 return f"rank {rank} exited ({describe_exit(code)})"
         return None
 
-    def watch(self) -> None:
-        """While serving: a rank that exits marks the group lost (the decode loop ends it)."""
+    def watch(self, on_stuck: Callable[[str], None]) -> None:
+        """While serving: a rank that exits marks the group lost, and the decode loop hands
+        its requests back and stops the verifier; if that has not happened within
+        STUCK_SECONDS, `on_stuck` is called (the loop waits in an exchange)."""
 
         def run() -> None:
             while not self._closed.wait(WATCH_SECONDS):
                 if (exited := self.exited()) is not None:
                     self.shards.lost = self.shards.lost or exited
                     log.error("tensor-parallel rank lost", extra={"reason": exited})
+                    if not self._closed.wait(STUCK_SECONDS):
+                        on_stuck(exited)
                     return
 
         threading.Thread(target=run, name="ranks", daemon=True).start()
 
-    def close(self) -> None:
-        """Stops the ranks: asked to while the group works, else (or if they do not stop
-        within 10 s) killed."""
+    def close(self, clean: bool = True) -> None:
+        """Stops the ranks: asked to while the group works and nothing else uses it (`clean`),
+        else (or if they do not stop within 10 s) killed."""
         self._closed.set()
+        if exited := self.exited():
+            log.error("tensor-parallel rank lost", extra={"reason": exited})
         asked = False
-        if self.shards is not None and self.shards.lost is None:
+        if clean and self.shards is not None and self.shards.lost is None:
             try:
                 self.shards.send(None)
                 asked = True
             except Exception:
                 log.warning("tensor-parallel ranks did not take the stop; killing them")
+        elif self.shards is not None and self.shards.lost is None:
+            self.shards.lost = "stopped while in use"
         for proc in self.procs:
             try:
                 proc.wait(timeout=10 if asked else 0)
@@ -175,9 +194,12 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _die_with_parent() -> None:
-    """In a rank, before it runs: the kernel kills it when rank 0 dies (PR_SET_PDEATHSIG)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+def _die_with(parent: int) -> None:
+    """In a rank, before it runs: the kernel kills it when rank 0 dies (PR_SET_PDEATHSIG); if
+    rank 0 died already (before the call), it goes now."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def follow(rank: int, spec: RankSpec) -> int:

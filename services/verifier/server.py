@@ -376,7 +376,7 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
     )
     heartbeat.start()
     if ranks is not None:
-        ranks.watch()
+        ranks.watch(on_stuck=server.fail)
     server.watch(
         {
             "redis reachable": store.ping,
@@ -411,7 +411,7 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
         stop_hb.set()
         heartbeat.join(timeout=5)
         speculator.close()
-        if ranks is not None:
-            ranks.close()
+        if ranks is not None:  # (a loop still in a step holds the group: no stop through it)
+            ranks.close(clean=not engine.thread.is_alive())
 
     return server, on_stop
