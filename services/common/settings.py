@@ -329,8 +329,9 @@ class VerifierSettings(ServiceSettings):
     tensor_parallel_timeout_seconds: float = Field(
         default=120.0,
         gt=0,
-        description="How long the ranks may take to meet at start, and one exchange between "
-        "them while serving, before the verifier gives up (no hang on a stuck rank).",
+        description="How long the ranks may take to meet at start (and at least 300 s to load "
+        "their shards), and one exchange between them within a step, before the verifier "
+        "gives up and stops: a stuck rank never hangs it. Waiting for work has no limit.",
     )
     speculative_decoding: bool = Field(
         default=False, description="Ask drafters for trees; off = plain decoding."
