@@ -191,8 +191,9 @@ class FlatModel:
         """Logits (float32) for each segment's rows from logits_from on: [rows, vocab] each.
         With shards, the other ranks run the same step; from the moment it is sent, any
         failure (theirs or this rank's: the ranks would be out of step) raises ShardsLost."""
-        step = Step(place(segments), self.pool.take_moves())
-        batch = Batch.of(step.placed, self.device)  # (a layout error stops nothing but this)
+        placed = place(segments)
+        batch = Batch.of(placed, self.device)  # (a layout error stops this step alone)
+        step = Step(placed, self.pool.take_moves())
         if self.shards is None:
             logits = self.run(step, batch)
         else:
