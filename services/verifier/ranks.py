@@ -45,7 +45,7 @@ WATCH_SECONDS = 0.2  # how often rank 0 looks at its ranks' processes
 STUCK_SECONDS = 10.0
 LOAD_SECONDS = 300.0  # the least time the ranks get to load their shards after rank 0 has
 PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True)  # (resolved here: a forked child must not dlopen)
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # (resolved here: not in a forked child)
 
 
 class RanksFailed(RuntimeError):
@@ -197,7 +197,7 @@ def describe_exit(code: int) -> str:
 def _die_with(parent: int) -> None:
     """In a rank, before it runs: the kernel kills it when rank 0 dies (PR_SET_PDEATHSIG); if
     rank 0 died already (before the call), it goes now."""
-    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
 
