@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.engine import spread
 from specserve.common import models
 from specserve.common.flat_model import FlatModel, Segment
 from specserve.common.settings import ModelRef, ServiceSettings
@@ -36,14 +36,6 @@ from specserve.verifier.ranks import Ranks
 
 OUT = Path(__file__).parent / "results" / "tensor_parallel.json"
 DECODE_STEPS = 32
-
-
-def spread(samples: list[float]) -> dict:
-    return {
-        "median": round(statistics.median(samples), 4),
-        "min": round(min(samples), 4),
-        "max": round(max(samples), 4),
-    }
 
 
 def rss_bytes(pid: str | int = "self") -> int:

@@ -170,7 +170,9 @@ def test_an_idle_group_waits_for_its_next_step_past_the_exchange_timeout(two_ran
     kv = sharded.new_kv()
     try:
         (before,) = sharded.forward([Segment(kv, [1, 2, 3])])
-        time.sleep(1.5 * EXCHANGE_TIMEOUT_S)  # (idle is the point: nothing to wait for)
+        # The sleep is the condition under test, not a wait for an event: a group with no
+        # work for longer than its exchange timeout (there is nothing to observe meanwhile).
+        time.sleep(1.5 * EXCHANGE_TIMEOUT_S)
         (after,) = sharded.forward([Segment(kv, [4])])
         assert before.shape == after.shape and sharded.shards.lost is None
     finally:
