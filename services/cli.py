@@ -61,15 +61,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    import redis
-
     from .common.settings import GatewaySettings
+    from .common.store import RequestStore
     from .gateway.keys import KeyStore
 
     settings = GatewaySettings.load(args.config)
-    keys = KeyStore(
-        redis.Redis.from_url(args.redis_url or settings.redis_url, decode_responses=True)
-    )
+    keys = KeyStore(RequestStore.connect(settings, args.redis_url).r)
     if args.keys_cmd == "create":
         if args.tier not in settings.tiers:
             print(f"error: unknown tier {args.tier!r} (known: {sorted(settings.tiers)})")
@@ -181,7 +178,7 @@ def _rollout(args: argparse.Namespace) -> int:
     from .v1 import scheduler_pb2_grpc
 
     settings = GatewaySettings.load(args.config)
-    store = RequestStore.from_url(args.redis_url or settings.redis_url)
+    store = RequestStore.connect(settings, args.redis_url)
     if not store.ping():
         print("error: Redis is unreachable (check redis_url; `specserve doctor`)", file=sys.stderr)
         return 1

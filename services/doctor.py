@@ -202,7 +202,7 @@ def certificates(settings: dict[str, ServiceSettings]) -> Iterator[Finding]:
 
 def cluster(settings: dict[str, ServiceSettings], addresses: dict[str, str]) -> Iterator[Finding]:
     common = settings["scheduler"]
-    store = RequestStore.from_url(common.redis_url)
+    store = RequestStore.connect(common)
     if not store.ping():
         yield Finding("fail", "redis", "unreachable: start it, or fix redis_url")
         return

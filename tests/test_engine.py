@@ -90,7 +90,14 @@ class NoDrafts(TargetDrafts):
 
 
 def make_engine(
-    model, store, speculator=None, eos_ids=(), decode=None, kv_tokens=8192, block_size=16
+    model,
+    store,
+    speculator=None,
+    eos_ids=(),
+    decode=None,
+    kv_tokens=8192,
+    block_size=16,
+    async_writes=False,
 ) -> Engine:
     flat = FlatModel(model)
     pool = flat.use_pool(kv_tokens, block_size, fixed=True)
@@ -104,6 +111,7 @@ def make_engine(
         eos_ids=set(eos_ids),
         decode=decode or (lambda ids: ""),
         verifier_id=VID,
+        async_writes=async_writes,
     )
 
 
@@ -203,6 +211,39 @@ def test_a_failure_in_acceptance_rewinds_and_ends_only_its_sequence(tiny_model, 
         assert seq.output_ids == hf_greedy(tiny_model, prompt, 20)
         assert seq.accepted > 0
     assert engine.admission.load()["running"] == 0
+
+
+def test_async_step_writes_stream_the_same_and_end_a_step_later(tiny_model, store):
+    """Each step's tokens travel to Redis while the next step computes: the output streams
+    and their ends are those of writes the step waits for, the batch empties one step later,
+    and a cancel still ends its request (a step later too)."""
+    seen, steps = {}, {}
+    for async_writes in (False, True):
+        engine = make_engine(tiny_model, store, async_writes=async_writes)
+        rids = [f"w{int(async_writes)}-{i}" for i in range(len(PROMPTS))]
+        for rid, prompt in zip(rids, PROMPTS, strict=True):
+            admit(engine, store, rid, prompt)
+        steps[async_writes] = run(engine)
+        finals = [final_of(store, rid) for rid in rids]
+        seen[async_writes] = [
+            (store.progress(rid), f["finish_reason"], f["usage"]["completion_tokens"])
+            for rid, f in zip(rids, finals, strict=True)
+        ]
+        assert all(store.get(rid).status == "finished" for rid in rids)
+    assert seen[True] == seen[False]
+    for (ids, *_), prompt in zip(seen[True], PROMPTS, strict=True):
+        assert ids == hf_greedy(tiny_model, prompt, 12)
+    assert steps[True] == steps[False] + 1
+
+    engine = make_engine(tiny_model, store, async_writes=True)
+    seq = admit(engine, store, "w-cancel", PROMPTS[0], max_tokens=40)
+    engine._take_new(block=False)
+    for _ in range(3):
+        engine.step()
+    engine.cancel("w-cancel")
+    run(engine)
+    assert store.get("w-cancel").status == "cancelled"
+    assert len(store.progress("w-cancel")) == len(seq.output_ids) < 40
 
 
 def test_a_temperature_near_zero_is_greedy(tiny_model, store):

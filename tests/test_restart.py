@@ -133,9 +133,10 @@ def claim_behind_its_back(store: RequestStore, rid: str, prompt: list[int], vid:
         args=[json.dumps(spec), GROUP, 100, "interactive", now_ms(), rid],
         client=pipe,
     )
+    at = store.layout
     store._claim(
-        keys=[request_key(rid), f"specserve:owned:{vid}", "specserve:owners"],
-        args=[vid, now_ms(), "specserve:queued:", rid, "", "stable", incarnation],
+        keys=[request_key(rid), at.owned(vid), at.owners(), *at.per_class(at.queued, 0)],
+        args=[vid, now_ms(), rid, "", "stable", incarnation],
         client=pipe,
     )
     assert pipe.execute() == [[0, 0], 1]

@@ -28,8 +28,17 @@ import time
 
 import redis
 
-# Redis is away or not answering (refused, reset, timed out, still loading its data).
-REDIS_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+# Redis is away or not answering (refused, reset, timed out, still loading its data), or a
+# Redis Cluster is between masters (a failover or a slot migration: retry).
+REDIS_UNREACHABLE = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+)
+# Any error of Redis or of the cluster client (whose own errors are not RedisErrors).
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
 class OutageLog:

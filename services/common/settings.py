@@ -81,6 +81,19 @@ class ServiceSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = Field(
+        default=False,
+        description="redis_url names a node of a Redis Cluster (keys hash-tagged by shard).",
+    )
+    redis_wait_replicas: int = Field(
+        default=0,
+        ge=0,
+        description="Replicas that must hold a request's creation and its end before either "
+        "is acknowledged (WAIT); 0: acknowledged once the master has it.",
+    )
+    redis_wait_timeout_ms: int = Field(
+        default=1000, gt=0, description="How long a write waits for redis_wait_replicas."
+    )
     log_level: LogLevel = "INFO"
     timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of internal RPCs.")
     otlp_endpoint: str | None = Field(
@@ -148,7 +161,7 @@ class Tier(BaseModel):
         default=100_000, ge=1, description="Prompt + generated tokens per minute."
     )
     concurrent_streams: int = Field(default=8, ge=1, description="Open Generate streams.")
-    max_tokens: int = Field(default=2048, ge=1, description="Largest max_tokens it may ask.")
+    max_tokens: int = Field(default=8192, ge=1, description="Largest max_tokens it may ask.")
     batch: bool = Field(default=False, description="May use the batch priority class.")
 
 
@@ -165,7 +178,7 @@ DEFAULT_TIERS = {
         requests_per_minute=600,
         tokens_per_minute=1_000_000,
         concurrent_streams=64,
-        max_tokens=2048,
+        max_tokens=8192,
         batch=True,
     ),
 }
@@ -178,8 +191,10 @@ class GatewaySettings(ServiceSettings):
     port: int = Field(default=50051, ge=0, le=65535)
     scheduler_address: str = "127.0.0.1:50052"
     model: ModelRef = ModelRef()
-    max_seq_len: int = Field(default=4096, gt=1)
-    max_tokens_limit: int = Field(default=2048, gt=0)
+    max_seq_len: int = Field(
+        default=16384, gt=1, description="Longest prompt + output (long reasoning: 8k out)."
+    )
+    max_tokens_limit: int = Field(default=8192, gt=0, description="Largest max_tokens.")
     max_stop_strings: int = Field(default=16, ge=0)
     max_stop_length: int = Field(default=64, gt=0)
     max_workers: int = Field(default=64, gt=0, description="Concurrent RPCs served.")
@@ -286,7 +301,9 @@ class VerifierSettings(ServiceSettings):
     interactive_reserved_slots: int = Field(
         default=1, ge=0, description="Batch slots that batch-class work may not take."
     )
-    max_seq_len: int = Field(default=4096, gt=1)
+    max_seq_len: int = Field(
+        default=16384, gt=1, description="Longest prompt + output a sequence may reach."
+    )
     max_prefill_tokens: int = Field(
         default=512,
         ge=1,
@@ -388,6 +405,11 @@ class VerifierSettings(ServiceSettings):
         default=30.0,
         gt=0,
         description="A sequence paused this long ends (cancelled) and frees its slot.",
+    )
+    async_step_writes: bool = Field(
+        default=True,
+        description="Write a step's tokens to Redis while the next step computes (one write "
+        "in flight); false: each step waits for its write.",
     )
 
     @model_validator(mode="after")

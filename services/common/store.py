@@ -48,6 +48,7 @@ import json
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -55,9 +56,10 @@ from typing import Any
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from .outage import REDIS_UNREACHABLE, OutageLog
+from .outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
 
 log = logging.getLogger(__name__)
 
@@ -68,28 +70,66 @@ ENDED = ("finished", "cancelled", "failed", "expired")
 RESULT_TTL_SECONDS = 3600
 
 
-def req_key(rid: str) -> str:
-    return f"{PREFIX}req:{rid}"
+CLUSTER_SHARDS = 16  # shards of the request keys on Redis Cluster (fixed: it names keys)
 
 
-def out_key(rid: str) -> str:
-    return f"{PREFIX}out:{rid}"
+def _shard_tag(shard: int) -> str:
+    return f"{{{shard}}}"
 
 
-def queue_key(cls: str) -> str:
-    return f"{PREFIX}queue:{cls}"
+class Layout:
+    """Where each key lives.
 
+    On one Redis (`cluster` False) the keys are the names above, in one shard. On Redis
+    Cluster every key a script or a transaction touches carries a hash tag: a request's
+    req and out keys share the tag of its shard (`shard_of`, one of CLUSTER_SHARDS) with
+    that shard's queues, queued counters, requeued lists, owned sets and owners set, so each
+    script touches one slot, and the shards spread over the masters. The registry
+    (verifier:{id}, verifiers, drafter:{id}, drafters) shares the tag {registry}. Keys read
+    and written one at a time (rollout, result, session) carry none."""
 
-def queued_key(cls: str) -> str:
-    return f"{PREFIX}queued:{cls}"
+    def __init__(self, cluster: bool = False):
+        self.cluster = cluster
+        self.shards = CLUSTER_SHARDS if cluster else 1
+        self._registry = f"{PREFIX}{{registry}}:" if cluster else PREFIX
 
+    def _at(self, shard: int) -> str:
+        return f"{PREFIX}{_shard_tag(shard)}:" if self.cluster else PREFIX
 
-def member_key(kind: str, member_id: str) -> str:
-    return f"{PREFIX}{kind}:{member_id}"
+    def shard_of(self, rid: str) -> int:
+        """The shard of a request: the same for every service and every process."""
+        return zlib.crc32(rid.encode()) % self.shards if self.cluster else 0
 
+    def req(self, rid: str) -> str:
+        return f"{self._at(self.shard_of(rid))}req:{rid}"
 
-def members_key(kind: str) -> str:
-    return f"{PREFIX}{kind}s"
+    def out(self, rid: str) -> str:
+        return f"{self._at(self.shard_of(rid))}out:{rid}"
+
+    def queue(self, cls: str, shard: int = 0) -> str:
+        return f"{self._at(shard)}queue:{cls}"
+
+    def queued(self, cls: str, shard: int = 0) -> str:
+        return f"{self._at(shard)}queued:{cls}"
+
+    def requeued(self, cls: str, shard: int = 0) -> str:
+        return f"{self._at(shard)}requeued:{cls}"
+
+    def owned(self, vid: str, shard: int = 0) -> str:
+        return f"{self._at(shard)}owned:{vid}"
+
+    def owners(self, shard: int = 0) -> str:
+        return f"{self._at(shard)}owners"
+
+    def member(self, kind: str, member_id: str) -> str:
+        return f"{self._registry}{kind}:{member_id}"
+
+    def members(self, kind: str) -> str:
+        return f"{self._registry}{kind}s"
+
+    def per_class(self, key: Callable[[str, int], str], shard: int) -> list[str]:
+        """One key per queue class (in QUEUE_CLASSES order), for scripts that pick by class."""
+        return [key(cls, shard) for cls in QUEUE_CLASSES]
 
 
 def result_key(key: str) -> str:
@@ -100,13 +140,27 @@ def session_key(sid: str) -> str:
     return f"{PREFIX}session:{sid}"
 
 
-def owned_key(vid: str) -> str:
-    return f"{PREFIX}owned:{vid}"
-
-
-OWNERS_KEY = f"{PREFIX}owners"
 ROLLOUT_KEY = f"{PREFIX}rollout"
-REQUEUED = f"{PREFIX}requeued:"
+SINGLE = Layout()  # the layout on one Redis
+
+
+def req_key(rid: str) -> str:
+    """The request's hash on one Redis (tests and tools; a store knows its own `layout`)."""
+    return SINGLE.req(rid)
+
+
+def queue_key(cls: str) -> str:
+    return SINGLE.queue(cls)
+
+
+def queued_key(cls: str) -> str:
+    return SINGLE.queued(cls)
+
+
+def _entry_order(entry: tuple[str, str]) -> tuple[int, int]:
+    """Queue entries of several shards in the order they were added (stream ids are times)."""
+    ms, _, seq = entry[0].partition("-")
+    return int(ms), int(seq or 0)
 
 
 def now_ms() -> int:
@@ -126,22 +180,34 @@ redis.call('INCR', KEYS[3])
 return {0, waiting}
 """
 
-# Moves a queued request to running on verifier ARGV[1], incarnation ARGV[7] (model version
-# ARGV[5], pool ARGV[6]). Returns 1 if claimed, 0 if not queued, 2 if it generated tokens on
-# another version.
-_CLAIM = """
+# Lua: the place (0-based) of a queue class in QUEUE_CLASSES. Scripts that act on the queue
+# a request records take one key per class, in that order, and pick theirs by it.
+_CLASS_INDEX = (
+    "local function class_index(q)\n"
+    + "".join(f"  if q == '{c}' then return {i} end\n" for i, c in enumerate(QUEUE_CLASSES))
+    + "  return error('unknown queue class ' .. tostring(q))\nend\n"
+)
+
+# Moves a queued request ARGV[3] to running on verifier ARGV[1], incarnation ARGV[6] (model
+# version ARGV[4], pool ARGV[5]), admitted at ARGV[2]. KEYS: req, the owner's owned set,
+# owners, then the queued counter of each class. Returns 1 if claimed, 0 if not queued, 2 if
+# it generated tokens on another version.
+_CLAIM = (
+    _CLASS_INDEX
+    + """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' then return 0 end
 local version = redis.call('HGET', KEYS[1], 'version')
-if version and version ~= ARGV[5]
+if version and version ~= ARGV[4]
    and tonumber(redis.call('HGET', KEYS[1], 'generated')) > 0 then return 2 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'owner', ARGV[1], 'admitted_ms', ARGV[2],
-           'version', ARGV[5], 'pool', ARGV[6], 'incarnation', ARGV[7])
-local counter = ARGV[3] .. redis.call('HGET', KEYS[1], 'queue')
+           'version', ARGV[4], 'pool', ARGV[5], 'incarnation', ARGV[6])
+local counter = KEYS[4 + class_index(redis.call('HGET', KEYS[1], 'queue'))]
 if tonumber(redis.call('GET', counter) or '0') > 0 then redis.call('DECR', counter) end
-redis.call('SADD', KEYS[2], ARGV[4])
+redis.call('SADD', KEYS[2], ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[1])
 return 1
 """
+)
 
 # One step of a running request, by its owner ARGV[1] in incarnation ARGV[6] (model version
 # ARGV[5]): ids ARGV[3]
@@ -180,77 +246,89 @@ if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'read', A
 return 1
 """
 
-# Ends a running request owned by ARGV[1] in incarnation ARGV[9] with status ARGV[2] and final
-# ARGV[3]; KEYS[3] is its queue, KEYS[4] the owner's set, KEYS[5] the session key ('' value:
-# none).
+# Ends a running request ARGV[6] owned by ARGV[1] in incarnation ARGV[8] with status ARGV[2]
+# and final ARGV[3] (after ARGV[4] tokens); KEYS[3] is its queue (group ARGV[5]), KEYS[4] the
+# owner's set; the request's keys expire after ARGV[7] seconds.
 # Returns 1, or 0 if the caller does not own it (someone else finishes it).
 _FINISH = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'running'
    or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1]
-   or (redis.call('HGET', KEYS[1], 'incarnation') or '') ~= ARGV[9] then return 0 end
+   or (redis.call('HGET', KEYS[1], 'incarnation') or '') ~= ARGV[8] then return 0 end
 redis.call('XADD', KEYS[2], '*', 'first', ARGV[4], 'ids', '', 'final', ARGV[3])
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'final', ARGV[3])
 local e = redis.call('HGET', KEYS[1], 'entry_id')
 redis.call('XACK', KEYS[3], ARGV[5], e)
 redis.call('XDEL', KEYS[3], e)
-redis.call('SREM', KEYS[4], ARGV[7])
-if ARGV[6] ~= '' then redis.call('SET', KEYS[5], ARGV[6], 'EX', ARGV[8]) end
-redis.call('EXPIRE', KEYS[1], ARGV[8])
-redis.call('EXPIRE', KEYS[2], ARGV[8])
+redis.call('SREM', KEYS[4], ARGV[6])
+redis.call('EXPIRE', KEYS[1], ARGV[7])
+redis.call('EXPIRE', KEYS[2], ARGV[7])
 return 1
 """
 
 # Puts a running request owned by ARGV[1] back in its queue (a new entry; the old one is acked
 # and deleted; the new one also listed in requeued:{class}), keeping its progress. KEYS[2] is
-# the owner's set. Only the claim of incarnation ARGV[7] admitted at ARGV[8] ('*': any) is
-# requeued. Returns 1, or 0 if it is not running there (ended, already requeued, or claimed
-# since by another incarnation or again).
-_REQUEUE = """
+# the owner's set, then per class (QUEUE_CLASSES order) come the queues, the queued counters
+# and the requeued lists (group ARGV[2]). Only the claim of request ARGV[3] by incarnation
+# ARGV[4] admitted at ARGV[5] ('*': any) is requeued. Returns 1, or 0 if it is not running
+# there (ended, already requeued, or claimed since by another incarnation or again).
+_REQUEUE = (
+    _CLASS_INDEX
+    + """
+local n = (#KEYS - 2) / 3  -- queue classes
 if redis.call('HGET', KEYS[1], 'status') ~= 'running'
    or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
-  redis.call('SREM', KEYS[2], ARGV[5])
+  redis.call('SREM', KEYS[2], ARGV[3])
   return 0
 end
-if (ARGV[7] ~= '*' and (redis.call('HGET', KEYS[1], 'incarnation') or '') ~= ARGV[7])
-   or (ARGV[8] ~= '*' and redis.call('HGET', KEYS[1], 'admitted_ms') ~= ARGV[8]) then
+if (ARGV[4] ~= '*' and (redis.call('HGET', KEYS[1], 'incarnation') or '') ~= ARGV[4])
+   or (ARGV[5] ~= '*' and redis.call('HGET', KEYS[1], 'admitted_ms') ~= ARGV[5]) then
   return 0
 end
-local q = redis.call('HGET', KEYS[1], 'queue')
+local c = class_index(redis.call('HGET', KEYS[1], 'queue'))
+local queue = KEYS[3 + c]
 local e = redis.call('HGET', KEYS[1], 'entry_id')
-redis.call('XACK', ARGV[2] .. q, ARGV[3], e)
-redis.call('XDEL', ARGV[2] .. q, e)
-local id = redis.call('XADD', ARGV[2] .. q, '*', 'rid', ARGV[5])
+redis.call('XACK', queue, ARGV[2], e)
+redis.call('XDEL', queue, e)
+local id = redis.call('XADD', queue, '*', 'rid', ARGV[3])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'owner', '', 'entry_id', id)
 redis.call('HINCRBY', KEYS[1], 'requeues', 1)
-redis.call('INCR', ARGV[4] .. q)
-redis.call('SREM', KEYS[2], ARGV[5])
-redis.call('RPUSH', ARGV[6] .. q, id .. ' ' .. ARGV[5])
+redis.call('INCR', KEYS[3 + n + c])
+redis.call('SREM', KEYS[2], ARGV[3])
+redis.call('RPUSH', KEYS[3 + 2 * n + c], id .. ' ' .. ARGV[3])
 return 1
 """
+)
 
-# Ends a queued request now with status ARGV[5] (cancelled, expired); with ARGV[6] == '1' a
-# running one gets the cancel flag its verifier reads.
+# Ends a queued request now with status ARGV[4] (cancelled, expired) and final ARGV[1] (group
+# ARGV[2]; its keys expire after ARGV[3] s); with ARGV[5] == '1' a running one gets the cancel
+# flag its verifier reads. KEYS: req, out, then per class
+# (QUEUE_CLASSES order) the queues and the queued counters.
 # Returns {state, owner}: state 0 already ended/unknown, 1 was queued (ended now), 2 running.
-_END_QUEUED = """
+_END_QUEUED = (
+    _CLASS_INDEX
+    + """
+local n = (#KEYS - 2) / 2  -- queue classes
 local st = redis.call('HGET', KEYS[1], 'status')
 if st == 'queued' then
-  redis.call('HSET', KEYS[1], 'status', ARGV[5], 'final', ARGV[1])
+  redis.call('HSET', KEYS[1], 'status', ARGV[4], 'final', ARGV[1])
   local generated = redis.call('HGET', KEYS[1], 'generated') or 0
   redis.call('XADD', KEYS[2], '*', 'first', generated, 'ids', '', 'final', ARGV[1])
-  local q = redis.call('HGET', KEYS[1], 'queue')
+  local c = class_index(redis.call('HGET', KEYS[1], 'queue'))
   local e = redis.call('HGET', KEYS[1], 'entry_id')
-  redis.call('XACK', ARGV[2] .. q, ARGV[3], e)
-  redis.call('XDEL', ARGV[2] .. q, e)
-  if tonumber(redis.call('GET', ARGV[7] .. q) or '0') > 0 then redis.call('DECR', ARGV[7] .. q) end
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
+  redis.call('XACK', KEYS[3 + c], ARGV[2], e)
+  redis.call('XDEL', KEYS[3 + c], e)
+  local counter = KEYS[3 + n + c]
+  if tonumber(redis.call('GET', counter) or '0') > 0 then redis.call('DECR', counter) end
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
   return {1, ''}
-elseif st == 'running' and ARGV[6] == '1' then
+elseif st == 'running' and ARGV[5] == '1' then
   redis.call('HSET', KEYS[1], 'cancel', 1)
   return {2, redis.call('HGET', KEYS[1], 'owner')}
 end
 return {0, ''}
 """
+)
 
 
 class StepState(IntEnum):
@@ -295,9 +373,17 @@ class Claim:
 class RequestStore:
     """Request lifecycle in Redis: create, claim, progress, cancel, finish, tail."""
 
-    def __init__(self, client: redis.Redis, probe: redis.Redis | None = None):
+    def __init__(
+        self,
+        client: redis.Redis | RedisCluster,
+        probe: redis.Redis | RedisCluster | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+    ):
         self.r = client
         self._probe = probe or client  # health checks: one try, short timeouts
+        self.layout = Layout(cluster=isinstance(client, RedisCluster))
+        self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
         self._create = client.register_script(_CREATE)
         self._claim = client.register_script(_CLAIM)
         self._end_queued = client.register_script(_END_QUEUED)
@@ -307,22 +393,48 @@ class RequestStore:
         self._read = client.register_script(_READ)
 
     @classmethod
-    def from_url(cls, url: str) -> RequestStore:
+    def from_url(
+        cls, url: str, cluster: bool = False, wait_replicas: int = 0, wait_timeout_ms: int = 1000
+    ) -> RequestStore:
         """A client that rides out a short Redis outage: a command that meets a dropped
         connection is retried with exponential backoff (about 6 s in all) before it fails.
-        Every write here is safe to repeat (scripts check state; steps are written by index)."""
+        Every write here is safe to repeat (scripts check state; steps are written by index).
+        With `cluster`, `url` names one node of a Redis Cluster (the client finds the rest and
+        follows slots as they move); with `wait_replicas`, a request's creation and its end
+        are acknowledged only once that many replicas hold them (`NotReplicated` if not
+        within `wait_timeout_ms`)."""
         retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=10)
-        client = redis.Redis.from_url(
-            url,
+        kwargs: dict[str, Any] = dict(
             decode_responses=True,
-            health_check_interval=10,
             socket_connect_timeout=2,
             socket_timeout=10,
             retry=retry,
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         )
-        probe = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
-        return cls(client, probe)
+        if cluster:
+            client, probe = (
+                _cluster_client(url, **kwargs),
+                _cluster_client(url, socket_connect_timeout=1, socket_timeout=1),
+            )
+        else:
+            client = redis.Redis.from_url(
+                url,
+                health_check_interval=10,
+                retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+                **kwargs,
+            )
+            probe = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+        return cls(client, probe, wait_replicas, wait_timeout_ms)
+
+    @classmethod
+    def connect(cls, settings: Any, url: str | None = None) -> RequestStore:
+        """The store a service's settings name (`redis_url` unless `url` is given,
+        `redis_cluster`, `redis_wait_*`)."""
+        return cls.from_url(
+            url or settings.redis_url,
+            cluster=settings.redis_cluster,
+            wait_replicas=settings.redis_wait_replicas,
+            wait_timeout_ms=settings.redis_wait_timeout_ms,
+        )
 
     def wait_reachable(self, period_cap: float = 5.0) -> None:
         """Blocks until Redis answers, logging each miss: a service that starts before
@@ -334,43 +446,96 @@ class RequestStore:
             delay = min(period_cap, delay * 2)
 
     def ping(self) -> bool:
-        """True if Redis answers now."""
+        """True if Redis answers now (on Redis Cluster: every master)."""
         try:
+            if self.layout.cluster:
+                return bool(self._probe.ping(target_nodes=RedisCluster.PRIMARIES))
             return bool(self._probe.ping())
-        except redis.RedisError:
+        except REDIS_ERRORS:
             return False
 
     def ensure_queues(self) -> None:
         """Creates the queues and their consumer group, and the queued counters if missing
         (from the entries not yet delivered: a store written before the counters existed)."""
-        for cls in QUEUE_CLASSES:
+        for shard, cls in self._queues():
+            queue, queued = self.layout.queue(cls, shard), self.layout.queued(cls, shard)
             try:
-                self.r.xgroup_create(queue_key(cls), GROUP, id="0", mkstream=True)
+                self.r.xgroup_create(queue, GROUP, id="0", mkstream=True)
             except redis.ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
-            if not self.r.exists(queued_key(cls)):
-                pending = int(self.r.xpending(queue_key(cls), GROUP)["pending"])
-                self.r.set(queued_key(cls), self.r.xlen(queue_key(cls)) - pending, nx=True)
+            if not self.r.exists(queued):
+                pending = int(self.r.xpending(queue, GROUP)["pending"])
+                self.r.set(queued, self.r.xlen(queue) - pending, nx=True)
+
+    def _queues(self) -> list[tuple[int, str]]:
+        """(shard, class) of every queue."""
+        return [(shard, cls) for shard in range(self.layout.shards) for cls in QUEUE_CLASSES]
+
+    def _at(self, rid: str) -> tuple[int, Layout]:
+        """The request's shard, and the layout (its keys)."""
+        return self.layout.shard_of(rid), self.layout
+
+    def _durable(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Runs a script; with `wait_replicas`, then WAITs on the same connection (WAIT
+        counts only the writes of its own connection) until that many replicas hold the
+        writes. NotReplicated if fewer did within the timeout: the write may still be there
+        (every caller's write is safe to repeat), but it was not acknowledged."""
+        if not self.wait_replicas:
+            return script(keys=keys, args=args)
+        for attempt in (0, 1):
+            if self.layout.cluster:
+                node = self.r.get_node_from_key(keys[0])
+                pipe = node.redis_connection.pipeline(transaction=False)
+            else:
+                pipe = self.r.pipeline(transaction=False)
+            script(keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            try:
+                result, acked = pipe.execute()
+            except redis.exceptions.MovedError:  # the slot moved: learn where, once
+                if attempt or not self.layout.cluster:
+                    raise
+                self.r.nodes_manager.initialize()
+                continue
+            if int(acked) < self.wait_replicas:
+                raise NotReplicated(
+                    f"{acked} of {self.wait_replicas} replicas acknowledged the write within "
+                    f"{self.wait_timeout_ms} ms; retry"
+                )
+            return result
+        raise AssertionError("unreachable")
 
     # --- scheduler side -------------------------------------------------------------------
     def create(self, rid: str, spec: dict[str, Any], cls: str, limit: int) -> tuple[int, int]:
-        """Persists and queues a request. Returns (code, waiting): 0 created, 1 existed, 2 full."""
-        code, waiting = self._create(
-            keys=[req_key(rid), queue_key(cls), queued_key(cls)],
-            args=[json.dumps(spec), GROUP, limit, cls, now_ms(), rid],
+        """Persists and queues a request. Returns (code, waiting): 0 created, 1 existed, 2 full.
+        On Redis Cluster the limit holds per shard: `limit` / CLUSTER_SHARDS (rounded up)."""
+        shard, at = self._at(rid)
+        if self.layout.shards > 1:
+            limit = -(-limit // self.layout.shards)
+        code, waiting = self._durable(
+            self._create,
+            [at.req(rid), at.queue(cls, shard), at.queued(cls, shard)],
+            [json.dumps(spec), GROUP, limit, cls, now_ms(), rid],
         )
         return int(code), int(waiting)
 
     def read_queue(self, cls: str, consumer: str, count: int) -> list[tuple[str, str]]:
-        """New (undelivered) queue entries of a class as (entry_id, request_id)."""
-        resp = self.r.xreadgroup(GROUP, consumer, {queue_key(cls): ">"}, count=count)
-        return [(eid, fields["rid"]) for _, entries in resp for eid, fields in entries]
+        """New (undelivered) queue entries of a class as (entry_id, request_id), oldest first
+        (on Redis Cluster up to `count` from each shard)."""
+        return self._read_group(cls, consumer, ">", count)
 
     def pending_entries(self, cls: str, consumer: str, count: int = 100) -> list[tuple[str, str]]:
         """Entries delivered to this consumer but not yet acked (placed or waiting)."""
-        resp = self.r.xreadgroup(GROUP, consumer, {queue_key(cls): "0"}, count=count)
-        return [(eid, fields["rid"]) for _, entries in resp for eid, fields in entries if fields]
+        return self._read_group(cls, consumer, "0", count)
+
+    def _read_group(self, cls: str, consumer: str, start: str, count: int) -> list[tuple[str, str]]:
+        out = []
+        for shard in range(self.layout.shards):
+            queue = self.layout.queue(cls, shard)
+            resp = self.r.xreadgroup(GROUP, consumer, {queue: start}, count=count)
+            out += [(eid, f["rid"]) for _, entries in resp for eid, f in entries if f]
+        return sorted(out, key=_entry_order)
 
     def cancel(self, rid: str, final: dict[str, Any]) -> tuple[int, str]:
         """Ends a queued request, flags a running one. Returns (state, owner) as _END_QUEUED."""
@@ -381,29 +546,33 @@ class RequestStore:
         return self._end(rid, final, status, flag_running=False)[0] == 1
 
     def _end(self, rid: str, final: dict, status: str, flag_running: bool) -> tuple[int, str]:
+        shard, at = self._at(rid)
         state, owner = self._end_queued(
-            keys=[req_key(rid), out_key(rid)],
-            args=[
-                json.dumps(final),
-                f"{PREFIX}queue:",
-                GROUP,
-                RESULT_TTL_SECONDS,
-                status,
-                int(flag_running),
-                f"{PREFIX}queued:",
+            keys=[
+                at.req(rid),
+                at.out(rid),
+                *at.per_class(at.queue, shard),
+                *at.per_class(at.queued, shard),
             ],
+            args=[json.dumps(final), GROUP, RESULT_TTL_SECONDS, status, int(flag_running)],
         )
         return int(state), owner or ""
 
     def queued_before(self, cls: str, cutoff_ms: int, count: int) -> list[str]:
         """Request ids of the class's queue entries created before cutoff_ms (oldest first;
         entries of running requests are among them until they end)."""
-        entries = self.r.xrange(queue_key(cls), "-", cutoff_ms, count=count)
-        return [fields["rid"] for _, fields in entries if "rid" in fields]
+        entries = []
+        for shard in range(self.layout.shards):
+            queue = self.layout.queue(cls, shard)
+            entries += [
+                (eid, f["rid"]) for eid, f in self.r.xrange(queue, "-", cutoff_ms, count=count)
+            ]
+        return [rid for _, rid in sorted(entries, key=_entry_order)[:count] if rid]
 
     def waiting_count(self, cls: str) -> int:
         """Requests of the class queued and not yet running."""
-        return int(self.r.get(queued_key(cls)) or 0)
+        keys = [self.layout.queued(cls, shard) for shard in range(self.layout.shards)]
+        return sum(int(self.r.get(key) or 0) for key in keys)
 
     def live_verifiers(self) -> list[dict[str, str]]:
         """Registered verifiers whose heartbeat has not expired."""
@@ -411,16 +580,16 @@ class RequestStore:
 
     def live(self, kind: str) -> list[dict[str, str]]:
         """Registered members of a kind (verifier, drafter) whose heartbeat has not expired."""
-        ids = sorted(self.r.smembers(members_key(kind)))
+        ids = sorted(self.r.smembers(self.layout.members(kind)))
         pipe = self.r.pipeline(transaction=False)
         for member in ids:
-            pipe.hgetall(member_key(kind, member))
+            pipe.hgetall(self.layout.member(kind, member))
         out = []
         for member, info in zip(ids, pipe.execute(), strict=True):
             if info:
                 out.append({"id": member, **info})
             else:
-                self.r.srem(members_key(kind), member)
+                self.r.srem(self.layout.members(kind), member)
         return out
 
     def rollout(self) -> dict[str, float]:
@@ -458,14 +627,14 @@ class RequestStore:
     ) -> None:
         """Registers a member of a kind with its info; it expires without the next beat."""
         pipe = self.r.pipeline(transaction=True)
-        pipe.sadd(members_key(kind), member_id)
-        pipe.hset(member_key(kind, member_id), mapping=info)
-        pipe.pexpire(member_key(kind, member_id), int(ttl_seconds * 1000))
+        pipe.sadd(self.layout.members(kind), member_id)
+        pipe.hset(self.layout.member(kind, member_id), mapping=info)
+        pipe.pexpire(self.layout.member(kind, member_id), int(ttl_seconds * 1000))
         pipe.execute()
 
     def deregister(self, member_id: str, kind: str = "verifier") -> None:
-        self.r.srem(members_key(kind), member_id)
-        self.r.delete(member_key(kind, member_id))
+        self.r.srem(self.layout.members(kind), member_id)
+        self.r.delete(self.layout.member(kind, member_id))
 
     def claim(
         self,
@@ -479,10 +648,12 @@ class RequestStore:
         """Moves a queued request to running on verifier `vid` in its `incarnation` (serving
         model `version` in `pool`), admitted at `at_ms`. Returns 1 if claimed, 0 if it is not
         queued, 2 if it generated tokens on another model version (it must finish there)."""
+        shard, at = self._at(rid)
+        keys = [at.req(rid), at.owned(vid, shard), at.owners(shard)]
         return int(
             self._claim(
-                keys=[req_key(rid), owned_key(vid), OWNERS_KEY],
-                args=[vid, at_ms, f"{PREFIX}queued:", rid, version, pool, incarnation],
+                keys=[*keys, *at.per_class(at.queued, shard)],
+                args=[vid, at_ms, rid, version, pool, incarnation],
             )
         )
 
@@ -490,7 +661,7 @@ class RequestStore:
         """The tokens generated so far, from the output stream (placed by index, so a
         repeated entry counts once)."""
         ids: list[int] = []
-        for _, fields in self.r.xrange(out_key(rid)):
+        for _, fields in self.r.xrange(self.layout.out(rid)):
             chunk = [int(t) for t in fields["ids"].split(",")] if fields.get("ids") else []
             if int(fields["first"]) == len(ids):
                 ids.extend(chunk)
@@ -504,35 +675,43 @@ class RequestStore:
         of it: not one made since."""
         fence = ["*" if incarnation is None else incarnation]
         fence.append("*" if admitted_ms is None else str(admitted_ms))
-        return bool(
-            self._requeue(
-                keys=[req_key(rid), owned_key(vid)],
-                args=[vid, f"{PREFIX}queue:", GROUP, f"{PREFIX}queued:", rid, REQUEUED, *fence],
-            )
-        )
+        shard, at = self._at(rid)
+        keys = [at.req(rid), at.owned(vid, shard)]
+        for key in (at.queue, at.queued, at.requeued):
+            keys += at.per_class(key, shard)
+        return bool(self._requeue(keys=keys, args=[vid, GROUP, rid, *fence]))
 
     def take_requeued(self, cls: str, count: int = 100) -> list[tuple[str, str]]:
         """Queue entries (entry_id, rid) of the class's requeued requests, oldest first,
         removed from the list."""
-        items = self.r.lpop(f"{REQUEUED}{cls}", count) or []
-        return [tuple(item.split(" ", 1)) for item in items]
+        entries = []
+        for shard in range(self.layout.shards):
+            items = self.r.lpop(self.layout.requeued(cls, shard), count) or []
+            entries += [tuple(item.split(" ", 1)) for item in items]
+        return sorted(entries, key=_entry_order)
 
     def owned(self, vid: str) -> list[str]:
         """Requests running on verifier `vid` (as Redis knows it)."""
-        return sorted(self.r.smembers(owned_key(vid)))
+        return sorted(self.running_on([vid]))
+
+    def _owned_sets(self, vids: list[str]) -> list[set[str]]:
+        """The requests each of `vids` owns, over every shard (one round trip)."""
+        pipe = self.r.pipeline(transaction=False)
+        for vid in vids:
+            for shard in range(self.layout.shards):
+                pipe.smembers(self.layout.owned(vid, shard))
+        sets, n = pipe.execute() if vids else [], self.layout.shards
+        return [set().union(*sets[k * n : (k + 1) * n]) for k in range(len(vids))]
 
     def running_on(self, vids: list[str]) -> set[str]:
         """Ids of the requests running on any of the verifiers `vids` (one round trip)."""
-        pipe = self.r.pipeline(transaction=False)
-        for vid in vids:
-            pipe.smembers(owned_key(vid))
-        return set().union(*pipe.execute()) if vids else set()
+        return set().union(*self._owned_sets(vids))
 
     def tenants(self, rids: list[str]) -> dict[str, str]:
         """The tenant of each request (empty: it has none, or it is gone); one round trip."""
         pipe = self.r.pipeline(transaction=False)
         for rid in rids:
-            pipe.hget(req_key(rid), "spec")
+            pipe.hget(self.layout.req(rid), "spec")
         specs = pipe.execute() if rids else []
         return {
             rid: json.loads(spec).get("tenant", "") if spec else ""
@@ -541,18 +720,17 @@ class RequestStore:
 
     def owners(self) -> list[str]:
         """Verifiers that may own running requests (registered or not)."""
-        return sorted(self.r.smembers(OWNERS_KEY))
+        keys = [self.layout.owners(shard) for shard in range(self.layout.shards)]
+        return sorted(set().union(*(self.r.smembers(key) for key in keys)))
 
     def claims(self, vids: list[str]) -> list[Claim]:
         """The requests running on each of `vids`, as their records say (two round trips;
         a member of owned:{vid} that ended or moved on is left out)."""
-        pipe = self.r.pipeline(transaction=False)
-        for vid in vids:
-            pipe.smembers(owned_key(vid))
-        sets = pipe.execute()
+        sets = self._owned_sets(vids)
         owned = [(vid, rid) for vid, rids in zip(vids, sets, strict=True) for rid in sorted(rids)]
+        pipe = self.r.pipeline(transaction=False)
         for _, rid in owned:
-            pipe.hmget(req_key(rid), "status", "owner", "incarnation", "admitted_ms")
+            pipe.hmget(self.layout.req(rid), "status", "owner", "incarnation", "admitted_ms")
         claims = []
         for (vid, rid), (status, owner, inc, at) in zip(owned, pipe.execute(), strict=True):
             if status == "running" and owner == vid:
@@ -561,23 +739,27 @@ class RequestStore:
 
     def forget_owner(self, vid: str) -> None:
         """Drops `vid` from the owners if it owns nothing (a request it claims re-adds it)."""
-        if not self.r.exists(owned_key(vid)):
-            self.r.srem(OWNERS_KEY, vid)
+        for shard in range(self.layout.shards):
+            if not self.r.exists(self.layout.owned(vid, shard)):
+                self.r.srem(self.layout.owners(shard), vid)
 
     def reclaim(self, cls: str, consumer: str, min_idle_ms: int) -> list[tuple[str, str]]:
         """Queue entries delivered to any consumer and idle for min_idle_ms, now this
         consumer's (XAUTOCLAIM): what a dead placement consumer read and never placed."""
-        out, start = [], "0-0"
-        while True:
-            start, entries, *_ = self.r.xautoclaim(
-                queue_key(cls), GROUP, consumer, min_idle_ms, start_id=start, count=100
-            )
-            out.extend((eid, fields["rid"]) for eid, fields in entries if fields)
-            if start == "0-0":
-                return out
+        out = []
+        for shard in range(self.layout.shards):
+            queue, start = self.layout.queue(cls, shard), "0-0"
+            while True:
+                start, entries, *_ = self.r.xautoclaim(
+                    queue, GROUP, consumer, min_idle_ms, start_id=start, count=100
+                )
+                out.extend((eid, fields["rid"]) for eid, fields in entries if fields)
+                if start == "0-0":
+                    break
+        return sorted(out, key=_entry_order)
 
     def get(self, rid: str) -> RequestRecord | None:
-        h = self.r.hgetall(req_key(rid))
+        h = self.r.hgetall(self.layout.req(rid))
         if not h:
             return None
         return RequestRecord(
@@ -612,22 +794,14 @@ class RequestStore:
         (requeued elsewhere), PAUSED if it has generated more than `max_unread` (> 0) tokens
         past what its client was sent, else OK; None where the write failed (write it
         again)."""
-        pipe = self.r.pipeline(transaction=False)
-        for rid, first, ids in steps:
-            self._commit(
-                keys=[req_key(rid), out_key(rid)],
-                args=[
-                    vid,
-                    first,
-                    ",".join(map(str, ids)),
-                    len(ids),
-                    version,
-                    incarnation,
-                    max_unread,
-                ],
-                client=pipe,
+        calls = [
+            (
+                [self.layout.req(rid), self.layout.out(rid)],
+                [vid, first, ",".join(map(str, ids)), len(ids), version, incarnation, max_unread],
             )
-        results = pipe.execute(raise_on_error=False)
+            for rid, first, ids in steps
+        ]
+        results = self._pipelined(self._commit, calls)
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:  # e.g. NOSCRIPT from a restarted Redis: the rest went through
             log.warning(
@@ -636,6 +810,44 @@ class RequestStore:
         return [
             None if isinstance(r, Exception) else (StepState(int(r[0])), int(r[1])) for r in results
         ]
+
+    def _pipelined(self, script: Any, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """Runs a script once per (keys, args), in one round trip per Redis node; a call
+        that failed has its error in its place. (A cluster pipeline cannot carry scripts:
+        the calls go on a plain pipeline to the master of their slot, and one that meets a
+        moved slot or a lost master is tried once more alone, through the cluster client,
+        which follows the slot.)"""
+        if not self.layout.cluster:
+            pipe = self.r.pipeline(transaction=False)
+            for keys, args in calls:
+                script(keys=keys, args=args, client=pipe)
+            return pipe.execute(raise_on_error=False) if calls else []
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        results: list[Any] = [None] * len(calls)
+        for k, (keys, _) in enumerate(calls):
+            try:
+                node = self.r.get_node_from_key(keys[0])
+            except REDIS_ERRORS as e:
+                results[k] = e
+                continue
+            by_node.setdefault(node.name, (node, []))[1].append(k)
+        for node, ks in by_node.values():
+            pipe = node.redis_connection.pipeline(transaction=False)
+            for k in ks:
+                script(keys=calls[k][0], args=calls[k][1], client=pipe)
+            try:
+                out = pipe.execute(raise_on_error=False)
+            except REDIS_ERRORS as e:
+                out = [e] * len(ks)
+            for k, result in zip(ks, out, strict=True):
+                results[k] = result
+        for k, result in enumerate(results):
+            if isinstance(result, REDIS_ERRORS):
+                try:
+                    results[k] = script(keys=calls[k][0], args=calls[k][1])
+                except REDIS_ERRORS as e:
+                    results[k] = e
+        return results
 
     def finish(
         self,
@@ -650,38 +862,34 @@ class RequestStore:
         """Ends a request running on `vid` in its `incarnation`: final stream entry, status,
         queue entry acked and deleted; with `session_id`, the session's next turn is to go to
         `vid`. False if `vid` (in that incarnation) no longer owns the request."""
-        return bool(
-            self._finish(
-                keys=[
-                    req_key(rid),
-                    out_key(rid),
-                    queue_key(queue),
-                    owned_key(vid),
-                    session_key(session_id),
-                ],
-                args=[
-                    vid,
-                    status,
-                    json.dumps(final),
-                    final["usage"]["completion_tokens"],
-                    GROUP,
-                    vid if session_id else "",
-                    rid,
-                    RESULT_TTL_SECONDS,
-                    incarnation,
-                ],
-            )
+        shard, at = self._at(rid)
+        done = self._durable(
+            self._finish,
+            [at.req(rid), at.out(rid), at.queue(queue, shard), at.owned(vid, shard)],
+            [
+                vid,
+                status,
+                json.dumps(final),
+                final["usage"]["completion_tokens"],
+                GROUP,
+                rid,
+                RESULT_TTL_SECONDS,
+                incarnation,
+            ],
         )
+        if done and session_id:  # a hint for the session's next turn (not in the script:
+            self.r.set(session_key(session_id), vid, ex=RESULT_TTL_SECONDS)  # another slot)
+        return bool(done)
 
     # --- gateway side ---------------------------------------------------------------------
     def mark_read(self, rid: str, sent: int) -> None:
         """Records that the gateway has sent the request's client its first `sent` tokens
         (the cursor a verifier pauses the request by)."""
-        self._read(keys=[req_key(rid)], args=[sent])
+        self._read(keys=[self.layout.req(rid)], args=[sent])
 
     def tail(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
         """Output-stream entries after last_id, waiting up to block_ms for the first."""
-        resp = self.r.xread({out_key(rid): last_id}, block=block_ms, count=64)
+        resp = self.r.xread({self.layout.out(rid): last_id}, block=block_ms, count=64)
         return [entry for _, entries in resp for entry in entries]
 
     def largest_verifier(self) -> tuple[int, int, int] | None:
@@ -713,6 +921,47 @@ class RequestStore:
         pipe.execute()
 
 
+class NotReplicated(redis.ConnectionError):
+    """Fewer replicas than `wait_replicas` acknowledged a write in time: it is not
+    acknowledged (a ConnectionError: callers treat it as Redis being away, and retry)."""
+
+
+class _Cluster(RedisCluster):
+    """A RedisCluster client that relearns the slot map whenever a command cannot reach its
+    node (at most every RELEARN_SECONDS). Its own relearning misses a path: a blocking XREAD
+    to a master that died kept failing long after its replica had taken over."""
+
+    RELEARN_SECONDS = 0.5
+    _relearned = 0.0
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_command(*args, **kwargs)
+        except REDIS_UNREACHABLE:
+            if time.monotonic() - self._relearned > self.RELEARN_SECONDS:
+                self._relearned = time.monotonic()
+                try:
+                    self.nodes_manager.initialize()
+                except REDIS_ERRORS:
+                    pass  # no node answers yet: the next failure tries again
+            raise
+
+
+def _cluster_client(url: str, **kwargs: Any) -> RedisCluster:
+    """A Redis Cluster client from one node's URL; waits for the cluster to answer (a service
+    that starts before Redis waits for it), logging each miss."""
+    delay = 0.2
+    while True:
+        try:
+            return _Cluster.from_url(url, **kwargs)
+        except REDIS_ERRORS as e:
+            log.warning(
+                "redis cluster unreachable; waiting", extra={"retry_in_s": delay, "error": str(e)}
+            )
+            time.sleep(delay)
+            delay = min(5.0, delay * 2)
+
+
 def heartbeat_forever(
     store: RequestStore,
     kind: str,
@@ -736,5 +985,5 @@ def heartbeat_forever(
         stop.wait(period)
     try:
         store.deregister(member_id, kind)
-    except redis.RedisError:
+    except REDIS_ERRORS:
         log.warning("deregistration failed; the entry expires", extra={"kind": kind})

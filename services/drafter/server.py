@@ -128,7 +128,7 @@ def build(settings: DrafterSettings):
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     proposer = PROPOSERS[settings.proposer].from_settings(settings)
-    store = RequestStore.from_url(settings.redis_url)
+    store = RequestStore.connect(settings)
     store.wait_reachable()
     server = Server(
         settings.host, settings.port, [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]

@@ -11,6 +11,7 @@ from typing import Any
 
 import redis
 
+from ..common.outage import REDIS_ERRORS
 from ..common.store import PREFIX
 from .keys import ANONYMOUS, Principal
 
@@ -66,5 +67,5 @@ class Audit:
         try:
             fields = {k: str(v) for k, v in record.items()}
             self.r.xadd(AUDIT_STREAM, fields, maxlen=self.max_entries, approximate=True)
-        except redis.RedisError:
+        except REDIS_ERRORS:
             log.warning("audit stream unavailable; the log line stands")

@@ -39,6 +39,12 @@ def key_record(key_id: str) -> str:
 KEY_IDS = f"{PREFIX}apikeys"
 
 
+def quota_keys(key_id: str) -> list[str]:
+    """A key's request/token buckets and its open streams: one hash tag, so the quota
+    scripts touch one slot on Redis Cluster."""
+    return [f"{PREFIX}quota:{{{key_id}}}", f"{PREFIX}streams:{{{key_id}}}"]
+
+
 class AuthError(Exception):
     """The call is not authenticated (no key, a malformed, unknown or revoked key)."""
 
@@ -142,7 +148,7 @@ class KeyStore:
             "revoked": 0,
             **{name: int(value) for name, value in limits.model_dump().items()},
         }
-        pipe = self.r.pipeline(transaction=True)
+        pipe = self.r.pipeline(transaction=False)  # (two slots on Redis Cluster: the record first)
         pipe.hset(key_record(key_id), mapping=record)
         pipe.sadd(KEY_IDS, key_id)
         pipe.execute()
@@ -209,7 +215,7 @@ class KeyStore:
                 retry_after_ms=0,
             )
         code, retry_ms = self._admit(
-            keys=[f"{PREFIX}quota:{who.key_id}", f"{PREFIX}streams:{who.key_id}"],
+            keys=quota_keys(who.key_id),
             args=[
                 now_ms(),
                 limits.requests_per_minute,
@@ -239,7 +245,7 @@ class KeyStore:
         if who.limits is None:
             return
         self._release(
-            keys=[f"{PREFIX}quota:{who.key_id}", f"{PREFIX}streams:{who.key_id}"],
+            keys=quota_keys(who.key_id),
             args=[stream_id, max(0, unused_tokens), who.limits.tokens_per_minute],
         )
 

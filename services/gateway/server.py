@@ -9,12 +9,12 @@ import time
 import uuid
 
 import grpc
-import redis
 from google.protobuf import json_format
 from opentelemetry import trace
 
 from ..common import models, telemetry
 from ..common.grpc_server import Server, retrying_channel
+from ..common.outage import REDIS_ERRORS
 from ..common.rollout import by_pool, choose_pool, pool_shares, versions
 from ..common.settings import GatewaySettings
 from ..common.store import RequestStore
@@ -165,7 +165,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             return self.keys.authenticate(key.strip())
         except AuthError as e:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
-        except redis.RedisError:
+        except REDIS_ERRORS:
             context.abort(grpc.StatusCode.UNAVAILABLE, "keys are unavailable; retry shortly")
 
     @staticmethod
@@ -195,7 +195,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except QuotaExceeded as e:
             context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except redis.RedisError:
+        except REDIS_ERRORS:
             context.abort(grpc.StatusCode.UNAVAILABLE, "quotas are unavailable; retry shortly")
         call.stream = sid
 
@@ -206,7 +206,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             unused = 0 if call.resumed else call.max_tokens - call.emitted
             try:
                 self.keys.release(call.who, call.stream, unused)
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 log.warning("quota release failed; the slot ages out")
         if call.streaming and not call.finish and not self.draining:
             self._cancel_quietly(call.rid)  # (streams cut by a drain are re-attached to)
@@ -235,7 +235,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 if hit := self.store.cached_result(result_cache_key(submit, version)):
                     return hit
             return None
-        except redis.RedisError:
+        except REDIS_ERRORS:
             log.warning("result cache unavailable")
             return None
 
@@ -243,7 +243,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         info = json_format.MessageToDict(final, preserving_proto_field_name=True)
         try:
             self.store.cache_result(key, ids, info, self.settings.result_cache_ttl_seconds)
-        except redis.RedisError:
+        except REDIS_ERRORS:
             log.warning("result cache unavailable")
 
     def _replay(self, call: Call, ids: list[int], final: dict, stop: list[str]):
@@ -281,7 +281,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if time.monotonic() - fetched > REGISTRY_TTL_SECONDS:
             try:
                 largest = self.store.largest_verifier()
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 largest = None  # the scheduler queues it; admission still never overcommits
             self._largest = (time.monotonic(), largest)
         return largest
@@ -306,7 +306,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         tenant's request is not told apart from none)."""
         try:
             record = self.store.get(rid)
-        except redis.RedisError:
+        except REDIS_ERRORS:
             context.abort(grpc.StatusCode.UNAVAILABLE, "request state is unavailable; retry")
         if record is None:
             context.abort(
@@ -376,7 +376,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     marked = start
                 entries = self.store.tail(rid, last_id, TAIL_BLOCK_MS)
                 outage = None
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 outage = outage or time.monotonic()
                 if time.monotonic() - outage > REDIS_OUTAGE_SECONDS:
                     context.abort(
@@ -482,7 +482,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def _served_pools(self, context) -> list[generation_pb2.ServedPool]:
         try:
             verifiers, rollout = self.store.live_verifiers(), self.store.rollout()
-        except redis.RedisError:
+        except REDIS_ERRORS:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the registry is unavailable; retry")
         pools = by_pool(verifiers)
         shares = pool_shares(set(pools), rollout["canary_share"])
@@ -559,7 +559,7 @@ def build(settings: GatewaySettings):
     path, manifest = models.resolve(settings.model, settings.model_cache_dir)
     manifest = {**manifest, "sha256": models.fingerprint(path, manifest)}
     tokenizer = models.load_tokenizer(path)
-    store = RequestStore.from_url(settings.redis_url)
+    store = RequestStore.connect(settings)
     store.wait_reachable()
     if settings.api_keys_file:
         seeded = KeyStore(store.r).seed(settings.api_keys_file, settings.tiers)

@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from ..common import telemetry
 from ..common.capacity import kv_fit_problem
 from ..common.grpc_server import Server, retrying_channel
-from ..common.outage import REDIS_UNREACHABLE, OutageLog
+from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
 from ..common.rollout import POOLS, choose_pool
 from ..common.settings import SchedulerSettings
 from ..common.store import QUEUE_CLASSES, RequestRecord, RequestStore, now_ms
@@ -107,7 +107,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 "request_id, prompt_ids and max_tokens >= 1 are required",
             )
         spec = json_format.MessageToDict(request, preserving_proto_field_name=True)
-        code, waiting = self.store.create(request.request_id, spec, cls, self.limits[cls])
+        try:
+            code, waiting = self.store.create(request.request_id, spec, cls, self.limits[cls])
+        except REDIS_ERRORS as e:  # not acknowledged: the client retries (Submit is idempotent)
+            log.warning(
+                "submit not stored", extra={"request_id": request.request_id, "error": str(e)}
+            )
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"request state is unavailable ({e})")
         if code == 2:
             metrics.REJECTED.labels(cls).inc()
             context.set_trailing_metadata((("retry-after-ms", "1000"),))
@@ -196,8 +202,8 @@ class Placer:
     def _add_waiting(self, cls: str, entries: list[tuple[str, str]], first: bool = False) -> int:
         """Adds queue entries not waiting yet, at the back (or `first`, in their order);
         returns how many."""
-        known = {eid for eid, _ in self.waiting[cls]}
-        new = [e for e in entries if e[0] not in known]
+        known = set(self.waiting[cls])  # (entry id, request id): ids of two shards may meet
+        new = [e for e in entries if e not in known]
         if first:
             self.waiting[cls].extendleft(reversed(new))
         else:
@@ -267,11 +273,11 @@ class Placer:
         idle_ms = int(self.settings.reclaim_idle_seconds * 1000)
         for cls in QUEUE_CLASSES:
             entries = self.store.reclaim(cls, self.consumer, idle_ms)
-            known = {eid for eid, _ in self.waiting[cls]}  # waiting here already: no lookup
+            known = set(self.waiting[cls])  # waiting here already: no lookup
             queued = [
                 e
                 for e in entries
-                if e[0] not in known and getattr(self.store.get(e[1]), "status", "") == "queued"
+                if e not in known and getattr(self.store.get(e[1]), "status", "") == "queued"
             ]
             if added := self._add_waiting(cls, queued):
                 metrics.RECLAIMED.inc(added)
@@ -491,7 +497,7 @@ class Placer:
 
 
 def build(settings: SchedulerSettings):
-    store = RequestStore.from_url(settings.redis_url)
+    store = RequestStore.connect(settings)
     store.wait_reachable()
     store.ensure_queues()
     clients = VerifierClients()

@@ -21,11 +21,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
-import redis
 import torch
 
-from ..common.outage import REDIS_UNREACHABLE, OutageLog
+from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
 from ..common.store import RequestStore, StepState
 from ..common.tensor_parallel import ShardsLost
 from ..common.tree import DraftTree
@@ -65,6 +65,7 @@ class Engine:
         max_failed_steps: int = 3,
         max_unread_tokens: int = 0,
         pause_timeout_seconds: float = 30.0,
+        async_writes: bool = False,
     ):
         self.runner = runner
         self.speculator = speculator
@@ -94,6 +95,10 @@ class Engine:
         # loop has handed the requests back; on_lost is told then.
         self._lost: str | None = None
         self.on_lost: Callable[[str], None] = lambda _why: None
+        # With async_writes, a step's tokens go to Redis on the writer's thread while the next
+        # step computes; one write is in flight at most (`_send`, `_landed`).
+        self._writer = ThreadPoolExecutor(1, "step-writer") if async_writes else None
+        self._in_flight: tuple[Future, list[Sequence]] | None = None
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # --- called from RPC threads ----------------------------------------------------------
@@ -177,7 +182,7 @@ class Engine:
                 self._outage.failed(e)
                 self._stop.wait(0.5)
                 continue
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 log.exception("redis error in step; retrying")
                 self._stop.wait(0.5)
                 continue
@@ -366,8 +371,16 @@ class Engine:
 
     def _emit(self, seqs: list[Sequence]) -> None:
         """Writes new tokens to Redis in one round trip; retires the sequences that ended and
-        drops those this verifier no longer owns."""
-        for seq, state in zip(seqs, self._flush(seqs), strict=True):
+        drops those this verifier no longer owns. With async writes, it takes what the last
+        step's write says (waiting for it only if it is still on its way), acts on that, and
+        sends this step's, which travels while the next step computes: a sequence's state
+        (cancelled, paused, no longer ours) and its end come a step later, and the tokens
+        reach Redis as soon as before."""
+        if self._writer is None:
+            written = list(zip(seqs, self._flush(seqs), strict=True))
+        else:
+            written = [(s, state) for s, state in self._landed() if s.request_id in self.running]
+        for seq, state in written:
             if state == StepState.LOST:
                 self._drop(seq, "lost: the request was requeued elsewhere")
                 continue
@@ -376,18 +389,44 @@ class Engine:
                 metrics.UNREAD_ENDED.inc()
             if self._finished(seq) and seq.num_emitted == len(seq.output_ids):
                 self._retire(seq)  # (with tokens still unwritten, after the next write)
+        if self._writer is not None and self.running:
+            self._send(list(self.running.values()))
 
-    def _flush(self, seqs: list[Sequence]) -> list[StepState]:
-        """Writes each sequence's unwritten tokens; per sequence the state commit_step
-        returns, and a sequence pauses or goes on as it says. What Redis holds decides what
-        counts as written: a failed write is sent again with the next step."""
-        results = self.store.commit_step(
+    def _writes(self, seqs: list[Sequence]) -> tuple:
+        """commit_step's arguments for each sequence's unwritten tokens (copied: the sequence
+        goes on growing while an async write travels)."""
+        return (
             self.verifier_id,
             [(s.request_id, s.num_emitted, s.output_ids[s.num_emitted :]) for s in seqs],
             self.served["model_version"],
             self.incarnation,
             self.max_unread_tokens,
         )
+
+    def _send(self, seqs: list[Sequence]) -> None:
+        """Starts an async write of the sequences' unwritten tokens (none is in flight)."""
+        future = self._writer.submit(self.store.commit_step, *self._writes(seqs))
+        self._in_flight = (future, seqs)
+
+    def _landed(self) -> list[tuple[Sequence, StepState]]:
+        """The sequences of the write in flight, if any, each with its state once the write
+        is done (its Redis error is raised here: the tokens are sent again)."""
+        if self._in_flight is None:
+            return []
+        future, seqs = self._in_flight
+        self._in_flight = None
+        return list(zip(seqs, self._apply(seqs, future.result()), strict=True))
+
+    def _flush(self, seqs: list[Sequence]) -> list[StepState]:
+        """Writes each sequence's unwritten tokens now (after any write in flight); per
+        sequence the state commit_step returns. What Redis holds decides what counts as
+        written: a failed write is sent again with the next step."""
+        self._landed()
+        return self._apply(seqs, self.store.commit_step(*self._writes(seqs)))
+
+    def _apply(self, seqs: list[Sequence], results: list) -> list[StepState]:
+        """What a write returned, per sequence: how far it is written, and whether it pauses
+        or goes on."""
         states = []
         for seq, result in zip(seqs, results, strict=True):
             state, generated = result or (StepState.OK, seq.num_emitted)

@@ -310,7 +310,7 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    store = RequestStore.from_url(settings.redis_url)
+    store = RequestStore.connect(settings)
     store.wait_reachable()
     store.ensure_queues()
     server = Server(
@@ -358,6 +358,7 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
         served={"pool": served.pool, "model_version": served.version},
         max_unread_tokens=settings.max_unread_tokens,
         pause_timeout_seconds=settings.pause_timeout_seconds,
+        async_writes=settings.async_step_writes,
     )
     engine.on_lost = server.fail  # (a lost rank: the verifier exits, to restart as a group)
     service = VerifierService(settings, engine, store, vid, served)

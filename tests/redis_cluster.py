@@ -1,0 +1,171 @@
+"""A real local Redis Cluster for the tests: masters with a replica each, on free loopback
+ports, created with `redis-cli --cluster create`, with nodes to kill, stop and resume."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from redis.cluster import RedisCluster
+
+from specserve.local_cluster import free_port
+
+NODE_TIMEOUT_MS = 1000  # how long a master is unreachable before its replica takes over
+
+
+def _cluster_ports(n: int) -> list[int]:
+    """Free ports whose cluster bus port (+10000) is free too."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port + 10000 > 65535 or port in ports:
+            continue
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port + 10000)) == 0:
+                continue
+        ports.append(port)
+    return ports
+
+
+@dataclass
+class RedisClusterNodes:
+    workdir: Path
+    masters: int = 3
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.live_ports()[0]}/0"
+
+    def live_ports(self) -> list[int]:
+        return [port for port, p in self.procs.items() if p.poll() is None]
+
+    def start(self, timeout: float = 60) -> RedisClusterNodes:
+        ports = _cluster_ports(2 * self.masters)
+        for port in ports:
+            (self.workdir / str(port)).mkdir(parents=True)
+            self._launch(port)
+        for port in ports:
+            self._wait(lambda p=port: self.node(p).ping(), f"node {port} answers", timeout)
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in ports),
+                "--cluster-replicas",
+                "1",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=timeout,
+        )
+        self.wait_healthy(timeout)
+        return self
+
+    def _launch(self, port: int) -> None:
+        d = self.workdir / str(port)
+        self.procs[port] = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(d / "nodes.conf"),
+                "--cluster-node-timeout",
+                str(NODE_TIMEOUT_MS),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(d),
+            ],
+            stdout=open(d / "redis.log", "a"),
+            stderr=subprocess.STDOUT,
+        )
+
+    def restart(self, port: int) -> None:
+        """Starts a killed node again: it rejoins (from its nodes.conf, with no data) as a
+        replica of the node that took over from it."""
+        self._launch(port)
+
+    def node(self, port: int) -> redis.Redis:
+        return redis.Redis(port=port, decode_responses=True, socket_timeout=2)
+
+    def _wait(self, check, what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if check():
+                    return
+            except redis.RedisError:
+                pass
+            assert time.monotonic() < deadline, f"redis cluster: {what}: not within {timeout} s"
+            time.sleep(0.1)
+
+    def roles(self) -> dict[int, str]:
+        """Port -> master | slave, of the live nodes."""
+        return {p: self.node(p).info("replication")["role"] for p in self.live_ports()}
+
+    def wait_healthy(self, timeout: float = 60) -> None:
+        """Every live node sees the cluster ok, and every live replica is linked to its
+        master."""
+
+        def healthy() -> bool:
+            for port in self.live_ports():
+                node = self.node(port)
+                if node.cluster("info")["cluster_state"] != "ok":
+                    return False
+                replication = node.info("replication")
+                if replication["role"] == "slave" and replication["master_link_status"] != "up":
+                    return False
+            return True
+
+        self._wait(healthy, "cluster ok and replicas linked on every node", timeout)
+
+    def master_of(self, key: str) -> int:
+        """The port of the master that serves `key`'s slot now."""
+        client = RedisCluster(host="127.0.0.1", port=self.live_ports()[0])
+        try:
+            return client.get_node_from_key(key).port
+        finally:
+            client.close()
+
+    def replica_of(self, master: int) -> int | None:
+        """The live replica of a master, if it has one."""
+        for port in self.live_ports():
+            try:
+                replication = self.node(port).info("replication")
+            except redis.RedisError:
+                continue
+            if replication["role"] == "slave" and int(replication["master_port"]) == master:
+                return port
+        return None
+
+    def kill(self, port: int) -> None:
+        self.procs[port].kill()
+        self.procs[port].wait(timeout=30)
+
+    def pause(self, port: int) -> None:
+        self.procs[port].send_signal(signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        self.procs[port].send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait(timeout=30)
