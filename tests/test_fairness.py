@@ -108,9 +108,11 @@ def test_a_tenant_hoarding_unread_streams_neither_blocks_another_nor_runs_on(clu
             "the hoarder's streams to pause",
         )
         sent = {}
-        for rid in first:  # paused a bounded way past what their client was sent
+        # Paused a bounded way past what their client was sent: MAX_UNREAD, the step whose
+        # write saw it, and the step computed while that write travelled (async step writes).
+        for rid in first:
             generated, sent[rid] = map(int, r.hmget(req_key(rid), "generated", "read"))
-            assert generated - sent[rid] <= MAX_UNREAD + 1, (generated, sent[rid])
+            assert generated - sent[rid] <= MAX_UNREAD + 2, (generated, sent[rid])
         wait_until(
             lambda: all(r.hget(req_key(rid), "status") == "cancelled" for rid in first),
             "the paused streams to end",
@@ -119,7 +121,7 @@ def test_a_tenant_hoarding_unread_streams_neither_blocks_another_nor_runs_on(clu
         finals = [json.loads(r.hget(req_key(rid), "final")) for rid in first]
         for rid, final in zip(first, finals, strict=True):  # not generated to the end
             assert "read no output for 3s" in final["error"]
-            assert final["usage"]["completion_tokens"] <= sent[rid] + MAX_UNREAD + 1 < 1000
+            assert final["usage"]["completion_tokens"] <= sent[rid] + MAX_UNREAD + 2 < 1000
         wait_until(lambda: set(hoarders_running()) - set(first), "the freed slots reused")
         # The bystander's first token came within a few of the verifier's steps of an idle
         # cluster's (both at worst: the wait for placement varies by a poll period, a step

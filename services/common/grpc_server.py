@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent import futures
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,6 +20,12 @@ from . import tls
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+T = TypeVar("T")
 
 
 def retrying_channel(address: str, service: str) -> grpc.Channel:
@@ -43,56 +51,19 @@ def retrying_channel(address: str, service: str) -> grpc.Channel:
     )
 
 
-class Server:
-    """A gRPC server with grpc.health.v1 and reflection for the given services, on TLS as
-    `tls` was configured (mTLS, or server-only TLS when `public`).
+class _Serving:
+    """What both servers share: readiness from checks, stopping on a failure or a signal."""
 
-    `service_names` are full proto names (e.g. "specserve.v1.Generation"); health reports
-    each of them and "" (the whole server). Readiness is set with `set_serving`.
-    """
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        service_names: Iterable[str],
-        max_workers: int = 32,
-        max_concurrent_rpcs: int | None = None,
-        public: bool = False,
-    ):
-        self.grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers),
-            maximum_concurrent_rpcs=max_concurrent_rpcs,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),
-            ],
-        )
-        self.health = health.HealthServicer(experimental_non_blocking=True)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+    def __init__(self, service_names: Iterable[str]):
         self.service_names = list(service_names)
-        reflection.enable_server_reflection(
-            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc
-        )
-        self.port = tls.add_port(self.grpc, f"{host}:{port}", public)
-        if self.port == 0:
-            raise RuntimeError(f"cannot bind {host}:{port}")
         self.stopped = threading.Event()
         self.failure: str | None = None  # why the server stopped itself (fail), if it did
-        self.set_serving(False)
 
     def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in ["", *self.service_names]:
-            self.health.set(name, status)
+        raise NotImplementedError
 
-    def start(self) -> None:
-        self.grpc.start()
+    def _stop_grpc(self, drain_seconds: float) -> None:
+        raise NotImplementedError
 
     def watch(self, checks: dict[str, Callable[[], bool]], period: float = 1.0) -> None:
         """Keeps health true to readiness until the server stops: SERVING while every check
@@ -135,8 +106,111 @@ class Server:
         self.stopped.wait()
         self.set_serving(False)
         on_stop()
-        self.grpc.stop(drain_seconds).wait()
+        self._stop_grpc(drain_seconds)
         log.info("stopped")
+
+
+class Server(_Serving):
+    """A gRPC server with grpc.health.v1 and reflection for the given services, on TLS as
+    `tls` was configured (mTLS, or server-only TLS when `public`).
+
+    `service_names` are full proto names (e.g. "specserve.v1.Generation"); health reports
+    each of them and "" (the whole server). Readiness is set with `set_serving`.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: Iterable[str],
+        max_workers: int = 32,
+        max_concurrent_rpcs: int | None = None,
+        public: bool = False,
+    ):
+        super().__init__(service_names)
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+            options=OPTIONS,
+        )
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc
+        )
+        self.port = tls.add_port(self.grpc, f"{host}:{port}", public)
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind {host}:{port}")
+        self.set_serving(False)
+
+    def set_serving(self, serving: bool) -> None:
+        for name in ["", *self.service_names]:
+            self.health.set(name, _status(serving))
+
+    def start(self) -> None:
+        self.grpc.start()
+
+    def _stop_grpc(self, drain_seconds: float) -> None:
+        self.grpc.stop(drain_seconds).wait()
+
+
+class AioServer(_Serving):
+    """Server on grpc.aio: the same health, reflection, TLS, readiness and drain, with the
+    RPCs as coroutines on one event loop in a thread of its own (`loop`): an open stream
+    holds no thread. Handlers run blocking work with `loop.run_in_executor`."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: Iterable[str],
+        max_concurrent_rpcs: int | None = None,
+        public: bool = False,
+    ):
+        super().__init__(service_names)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True).start()
+
+        async def make() -> grpc.aio.Server:
+            server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs, options=OPTIONS)
+            self.health = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            reflection.enable_server_reflection(
+                [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+            )
+            return server
+
+        self.grpc = self.run(make())
+        self.port = tls.add_port(self.grpc, f"{host}:{port}", public)
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind {host}:{port}")
+        self.set_serving(False)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs a coroutine on the server's loop, from another thread; its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def set_serving(self, serving: bool) -> None:
+        async def set_all() -> None:
+            for name in ["", *self.service_names]:
+                await self.health.set(name, _status(serving))
+
+        self.run(set_all())
+
+    def start(self) -> None:
+        self.run(self.grpc.start())
+
+    def _stop_grpc(self, drain_seconds: float) -> None:
+        self.run(self.grpc.stop(drain_seconds))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _status(serving: bool) -> int:
+    return (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
 
 
 def _passes(check: Callable[[], bool]) -> bool:

@@ -197,7 +197,12 @@ class GatewaySettings(ServiceSettings):
     max_tokens_limit: int = Field(default=8192, gt=0, description="Largest max_tokens.")
     max_stop_strings: int = Field(default=16, ge=0)
     max_stop_length: int = Field(default=64, gt=0)
-    max_workers: int = Field(default=64, gt=0, description="Concurrent RPCs served.")
+    max_workers: int = Field(
+        default=64,
+        gt=0,
+        description="Threads for blocking work (Redis commands, tokenizing, scheduler calls); "
+        "an open stream holds none.",
+    )
     result_cache_ttl_seconds: float = Field(
         default=600.0, gt=0, description="How long an opted-in deterministic result is reused."
     )
@@ -213,10 +218,10 @@ class GatewaySettings(ServiceSettings):
     )
     tiers: dict[str, Tier] = Field(default=DEFAULT_TIERS, description="Limits per key tier.")
     max_concurrent_rpcs: int = Field(
-        default=64,
+        default=10_000,
         gt=0,
-        description="RPCs in flight beyond this get RESOURCE_EXHAUSTED at once (each open "
-        "stream holds one of max_workers threads: keep this at or below it).",
+        description="RPCs in flight (open streams included) beyond this get "
+        "RESOURCE_EXHAUSTED at once.",
     )
     audit_max_entries: int = Field(
         default=100_000, gt=0, description="Length the Redis audit stream is trimmed to."

@@ -121,6 +121,10 @@ class Layout:
     def owners(self, shard: int = 0) -> str:
         return f"{self._at(shard)}owners"
 
+    def gateway_wake(self, gateway: str, reader: int, shard: int) -> str:
+        """A gateway stream reader's wake key (in its shard's slot: one XREAD reads both)."""
+        return f"{self._at(shard)}wake:{gateway}:{reader}"
+
     def member(self, kind: str, member_id: str) -> str:
         return f"{self._registry}{kind}:{member_id}"
 

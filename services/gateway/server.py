@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
 from google.protobuf import json_format
 from opentelemetry import trace
 
 from ..common import models, telemetry
-from ..common.grpc_server import Server, retrying_channel
+from ..common.grpc_server import AioServer, retrying_channel
 from ..common.outage import REDIS_ERRORS
 from ..common.rollout import by_pool, choose_pool, pool_shares, versions
 from ..common.settings import GatewaySettings
@@ -22,6 +25,7 @@ from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2,
 from . import metrics
 from .audit import Audit, Call
 from .keys import ANONYMOUS, AuthError, KeyStore, Principal, QuotaExceeded, stream_id
+from .tails import Tails
 from .text import IncrementalDetokenizer, StopTrimmer
 from .validation import (
     InvalidRequest,
@@ -34,7 +38,6 @@ from .validation import (
 
 log = logging.getLogger(__name__)
 
-TAIL_BLOCK_MS = 500
 REDIS_OUTAGE_SECONDS = 30.0  # a stream waits this long for Redis before it gives up
 NO_DEADLINE_SECONDS = 10 * 365 * 86400  # a client deadline further out than this is none
 REGISTRY_TTL_SECONDS = 1.0  # how long the verifiers' largest KV budget is reused
@@ -65,6 +68,11 @@ def _deserialize(raw: bytes):
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
+    """The public API, as coroutines on the server's event loop: an open stream holds no
+    thread. Its output comes from `Tails` (a few blocking reads for every open stream);
+    Redis commands, tokenizing and the scheduler's calls run on a bounded pool of threads
+    (`max_workers`), so a slow one holds up no other stream."""
+
     def __init__(
         self,
         settings: GatewaySettings,
@@ -72,6 +80,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         store: RequestStore,
         scheduler: scheduler_pb2_grpc.SchedulerStub,
         manifest: dict,
+        loop: asyncio.AbstractEventLoop,
     ):
         self.settings = settings
         self.tokenizer = tokenizer
@@ -89,46 +98,59 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.keys = KeyStore(store.r)
         self.draining = False  # set on SIGTERM: streams cut by the drain are not cancellations
         self.audit = Audit(store.r, settings.audit_max_entries)
+        self.loop = loop
+        self.pool = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="gateway-io")
+        self.tails = Tails(store, loop)
+
+    async def _io(self, fn, *args, **kwargs):
+        """Runs blocking work (Redis, the tokenizer, a call to the scheduler) on the pool."""
+        return await self.loop.run_in_executor(self.pool, partial(fn, *args, **kwargs))
 
     # --- Generate ---------------------------------------------------------------------------
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         call = Call(peer=context.peer())
         call.span = telemetry.tracer.start_span(
             "gateway.generate", context=telemetry.extract(context.invocation_metadata())
         )
         call.trace_ctx = trace.set_span_in_context(call.span)
-        context.add_callback(lambda: self._ended(call, context))
-        yield from self._generate(request, context, call)
+        context.add_done_callback(lambda ctx: self._ended(call, ctx))
+        async for chunk in self._generate(request, context, call):
+            yield chunk
 
-    def _generate(self, request, context, call: Call):
+    async def _generate(self, request, context, call: Call):
         if isinstance(request, _BadBytes):
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{request.field}: is not valid UTF-8 (or the message is malformed)",
             )
-        call.who = self._authenticate(context)
+        call.who = await self._authenticate(context)
         if request.HasField("resume_from"):
-            yield from self._resume(request, context, call)
+            async for chunk in self._resume(request, context, call):
+                yield chunk
             return
         with telemetry.tracer.start_as_current_span("gateway.validate", context=call.trace_ctx):
             try:
-                submit = self._to_submit(request, context, call.who)
+                submit = await self._io(
+                    self._to_submit, request, context.time_remaining(), call.who
+                )
             except InvalidRequest as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            self._authorize(call.who, submit, context)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._authorize(call.who, submit, context)
         call.public_id = submit.request_id
         call.rid = submit.request_id = call.who.scoped(submit.request_id)
         call.prompt_tokens, call.max_tokens = len(submit.prompt_ids), submit.max_tokens
         name = common_pb2.PriorityClass.Name(submit.priority)
         call.priority = name.removeprefix("PRIORITY_CLASS_").lower()  # as the queues name it
-        self._open_stream(call, context, new_request=True)
+        await self._open_stream(call, context, new_request=True)
         cached = request.use_result_cache and replayable(submit)
-        if cached and (hit := self._cached_result(submit)):
-            yield from self._replay(call, *hit, list(submit.stop))
+        if cached and (hit := await self._io(self._cached_result, submit)):
+            for chunk in self._replay(call, *hit, list(submit.stop)):
+                yield chunk
             return
         try:
             # Waits out a restarting scheduler (within the deadline); Submit is idempotent.
-            self.scheduler.Submit(
+            await self._io(
+                self.scheduler.Submit,
                 submit,
                 timeout=self._timeout(context),
                 wait_for_ready=True,
@@ -137,83 +159,84 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except grpc.RpcError as e:
             if e.code() in PASS_THROUGH:
                 context.set_trailing_metadata(e.trailing_metadata() or ())
-                context.abort(e.code(), e.details())
-            context.abort(
+                await context.abort(e.code(), e.details())
+            await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable; retry shortly"
             )
         ids = []
-        for chunk in self._stream(call, list(submit.stop), context):
+        async for chunk in self._stream(call, list(submit.stop), context):
             ids.extend(chunk.token_ids)
             final = chunk.final if chunk.HasField("final") else None
             if cached and final and final.model_version:  # keyed on what produced it
-                self._cache_result(result_cache_key(submit, final.model_version), ids, final)
+                key = result_cache_key(submit, final.model_version)
+                await self._io(self._cache_result, key, ids, final)
             yield chunk
 
     # --- who is calling, and what they may do -------------------------------------------------
-    def _authenticate(self, context) -> Principal:
+    async def _authenticate(self, context) -> Principal:
         """The caller from its `authorization: Bearer <key>`; UNAUTHENTICATED without one."""
         if self.settings.auth == "off":
             return ANONYMOUS
         header = dict(context.invocation_metadata()).get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "an API key is required: metadata `authorization: Bearer <key>`",
             )
         try:
-            return self.keys.authenticate(key.strip())
+            return await self._io(self.keys.authenticate, key.strip())
         except AuthError as e:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
         except REDIS_ERRORS:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "keys are unavailable; retry shortly")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "keys are unavailable; retry shortly")
 
     @staticmethod
-    def _authorize(who: Principal, submit, context) -> None:
+    async def _authorize(who: Principal, submit, context) -> None:
         """PERMISSION_DENIED for what the key's tier does not allow."""
         limits = who.limits
         if limits is None:
             return
         if submit.priority == common_pb2.PRIORITY_CLASS_BATCH and not limits.batch:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"priority: this key's tier ({who.tier}) may not use the batch class",
             )
         if submit.max_tokens > limits.max_tokens:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"max_tokens: {submit.max_tokens} is above this key's cap of {limits.max_tokens}",
             )
 
-    def _open_stream(self, call: Call, context, new_request: bool) -> None:
+    async def _open_stream(self, call: Call, context, new_request: bool) -> None:
         """Takes a stream slot (and, for a new request, its share of the rate limits)."""
         sid = stream_id()
         try:
-            self.keys.admit(
-                call.who, sid, call.prompt_tokens + call.max_tokens, new_request=new_request
+            await self._io(
+                self.keys.admit,
+                call.who,
+                sid,
+                call.prompt_tokens + call.max_tokens,
+                new_request=new_request,
             )
         except QuotaExceeded as e:
             context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except REDIS_ERRORS:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "quotas are unavailable; retry shortly")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "quotas are unavailable; retry shortly"
+            )
         call.stream = sid
 
     def _ended(self, call: Call, context) -> None:
-        """When the RPC ends, however: the stream slot and unused tokens go back, a request
-        whose client left before the end is cancelled, and the call is audited."""
-        if call.stream:
-            unused = 0 if call.resumed else call.max_tokens - call.emitted
-            try:
-                self.keys.release(call.who, call.stream, unused)
-            except REDIS_ERRORS:
-                log.warning("quota release failed; the slot ages out")
-        if call.streaming and not call.finish and not self.draining:
-            self._cancel_quietly(call.rid)  # (streams cut by a drain are re-attached to)
+        """When the RPC ends, however (on the event loop): the metrics; then, on the pool,
+        the stream slot and unused tokens go back, a request whose client left before the
+        end is cancelled, and the call is audited."""
         code = context.code() if hasattr(context, "code") else None
         status = call.finish or (code.name if code else "CANCELLED")
+        if context.cancelled() and not call.finish:
+            status = "CANCELLED"
         record = call.record(status)
-        self.audit.write(record)
         pool = call.pool or "none"
         metrics.REQUESTS.labels(call.priority or "unknown", status, pool).inc()
         if call.first_token_at and not call.resumed:
@@ -225,6 +248,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             metrics.OPEN_STREAMS.dec()
         call.span.set_attributes({k: v for k, v in record.items() if k != "client"})
         call.span.end()
+        cancel = call.streaming and not call.finish and not self.draining
+        self.pool.submit(self._settle, call, record, cancel)
+
+    def _settle(self, call: Call, record: dict, cancel: bool) -> None:
+        if call.stream:
+            unused = 0 if call.resumed else call.max_tokens - call.emitted
+            try:
+                self.keys.release(call.who, call.stream, unused)
+            except REDIS_ERRORS:
+                log.warning("quota release failed; the slot ages out")
+        if cancel:
+            self._cancel_quietly(call.rid)  # (streams cut by a drain are re-attached to)
+        self.audit.write(record)
 
     # --- result cache -----------------------------------------------------------------------
     def _cached_result(self, submit: scheduler_pb2.SubmitRequest):
@@ -271,7 +307,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             final=info,
         )
 
-    def _timeout(self, context) -> float:
+    def _timeout(self, context) -> float:  # (callable off the loop: it reads only)
         """An internal call's deadline: the configured one, or the client's if sooner."""
         remaining = context.time_remaining()
         return min(self.settings.timeout_seconds, remaining or self.settings.timeout_seconds)
@@ -286,35 +322,42 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._largest = (time.monotonic(), largest)
         return largest
 
-    def _resume(self, request, context, call: Call):
+    async def _resume(self, request, context, call: Call):
         """Re-attach: the rest of an existing request's stream, from index resume_from."""
         start = request.resume_from
         if not request.request_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: needed with resume_from")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "request_id: needed with resume_from"
+            )
         if start < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resume_from: must be >= 0")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resume_from: must be >= 0")
         call.public_id, call.resumed = request.request_id, True
         call.rid = call.who.scoped(request.request_id)
-        record = self._record(call.rid, call.public_id, context)
+        record = await self._record(call.rid, call.public_id, context)
         call.prompt_tokens = len(record.spec.get("prompt_ids", []))
         call.priority = record.queue
-        self._open_stream(call, context, new_request=False)
-        yield from self._stream(call, list(record.spec.get("stop", [])), context, start)
+        await self._open_stream(call, context, new_request=False)
+        async for chunk in self._stream(call, list(record.spec.get("stop", [])), context, start):
+            yield chunk
 
-    def _record(self, rid: str, public_id: str, context):
+    async def _record(self, rid: str, public_id: str, context):
         """The request's record; NOT_FOUND if it does not exist for this caller (another
         tenant's request is not told apart from none)."""
         try:
-            record = self.store.get(rid)
+            record = await self._io(self.store.get, rid)
         except REDIS_ERRORS:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "request state is unavailable; retry")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "request state is unavailable; retry")
         if record is None:
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"request {public_id!r} does not exist (or has expired)"
             )
         return record
 
-    def _to_submit(self, req, context, who: Principal) -> scheduler_pb2.SubmitRequest:
+    def _to_submit(
+        self, req, remaining: float | None, who: Principal
+    ) -> scheduler_pb2.SubmitRequest:
+        """The scheduler's request (validated, tokenized), on the pool; `remaining` is the
+        client's deadline in seconds (huge, not None, when it set none)."""
         validate(req, self.limits)
         which = req.WhichOneof("input")
         if which == "prompt_ids":
@@ -335,7 +378,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             default = min(default, who.limits.max_tokens)
         max_tokens = req.max_tokens or default
         check_fits(len(ids), max_tokens, self._largest_verifier())
-        remaining = context.time_remaining()  # huge (not None) when the client set no deadline
         has_deadline = remaining is not None and remaining < NO_DEADLINE_SECONDS
         deadline_ms = int((time.time() + remaining) * 1000) if has_deadline else 0
         priority = req.priority or common_pb2.PRIORITY_CLASS_INTERACTIVE
@@ -352,80 +394,83 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             tenant=who.tenant,
         )
 
-    def _stream(self, call: Call, stop: list[str], context, start: int = 0):
+    async def _stream(self, call: Call, stop: list[str], context, start: int = 0):
         """Chunks of the output stream from token index `start` on; the tokens before it only
         prime the detokenizer and the stop trimmer, so the text continues seamlessly. Each
-        index is sent once, whatever the stream holds; a Redis outage pauses the stream.
-        After each batch of chunks, how far the client has been sent goes to the request's
-        `read` cursor: a yield blocks while the client does not read (gRPC flow control), so
-        the cursor stops, and the verifier pauses the request (`max_unread_tokens`)."""
+        index is sent once, whatever the stream holds; a Redis outage pauses the stream
+        (for up to REDIS_OUTAGE_SECONDS). After each batch of chunks, how far the client has
+        been sent goes to the request's `read` cursor: a yield waits while the client does
+        not read (gRPC flow control), so the cursor stops, and the verifier pauses the
+        request (`max_unread_tokens`)."""
         detok = IncrementalDetokenizer(
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         )
         trimmer = StopTrimmer(stop)
         rid, public_id = call.rid, call.public_id
-        last_id = "0-0"
-        outage = None
         call.streaming = True
         metrics.OPEN_STREAMS.inc()
         marked = None  # the cursor as last written
-        while context.is_active():
-            try:
+        tail = self.tails.open(rid)
+        try:
+            while True:
                 if marked != start:
-                    self.store.mark_read(rid, start)
-                    marked = start
-                entries = self.store.tail(rid, last_id, TAIL_BLOCK_MS)
-                outage = None
-            except REDIS_ERRORS:
-                outage = outage or time.monotonic()
-                if time.monotonic() - outage > REDIS_OUTAGE_SECONDS:
-                    context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"request state is unavailable; re-attach with resume_from={start}",
-                    )
-                time.sleep(0.5)
-                continue
-            for entry_id, fields in entries:
-                last_id = entry_id
-                ids = [int(t) for t in fields["ids"].split(",")] if fields.get("ids") else []
-                first = int(fields["first"])
-                if skip := max(0, min(len(ids), start - first)):  # delivered before
-                    trimmer.push(detok.add(ids[:skip]))
-                    ids, first = ids[skip:], first + skip
-                if ids:
-                    text = trimmer.push(detok.add(ids))
-                    yield generation_pb2.GenerateResponse(
-                        request_id=public_id,
-                        text=text,
-                        token_ids=ids,
-                        first_index=first,
-                        model_version=fields.get("v", ""),
-                    )
-                    start = first + len(ids)
-                    call.first_token_at = call.first_token_at or time.monotonic()
-                    call.emitted += len(ids)
-                    metrics.OUTPUT_TOKENS.inc(len(ids))
-                if "final" in fields:
-                    final = json.loads(fields["final"])
-                    call.finish = final.get("finish_reason", "")
-                    call.pool = final.get("pool", "")
-                    yield self._final_chunk(
-                        public_id,
-                        final,
-                        trimmer.push(detok.flush()) + trimmer.flush(),
-                        int(fields["first"]),
-                        context,
-                    )
-                    return
+                    try:
+                        await self._io(self.store.mark_read, rid, start)
+                        marked = start
+                    except REDIS_ERRORS:
+                        pass  # written with the next batch; the reads say if Redis is away
+                entries = await tail.get(timeout=1.0)
+                if entries is None:
+                    if self.tails.outage_seconds() > REDIS_OUTAGE_SECONDS:
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"request state is unavailable; re-attach with resume_from={start}",
+                        )
+                    continue
+                for _, fields in entries:
+                    ids = [int(t) for t in fields["ids"].split(",")] if fields.get("ids") else []
+                    first = int(fields["first"])
+                    if skip := max(0, min(len(ids), start - first)):  # delivered before
+                        trimmer.push(detok.add(ids[:skip]))
+                        ids, first = ids[skip:], first + skip
+                    if ids:
+                        text = trimmer.push(detok.add(ids))
+                        yield generation_pb2.GenerateResponse(
+                            request_id=public_id,
+                            text=text,
+                            token_ids=ids,
+                            first_index=first,
+                            model_version=fields.get("v", ""),
+                        )
+                        start = first + len(ids)
+                        call.first_token_at = call.first_token_at or time.monotonic()
+                        call.emitted += len(ids)
+                        metrics.OUTPUT_TOKENS.inc(len(ids))
+                    if "final" in fields:
+                        final = json.loads(fields["final"])
+                        call.finish = final.get("finish_reason", "")
+                        call.pool = final.get("pool", "")
+                        yield await self._final_chunk(
+                            public_id,
+                            final,
+                            trimmer.push(detok.flush()) + trimmer.flush(),
+                            int(fields["first"]),
+                            context,
+                        )
+                        return
+        finally:
+            self.tails.close(tail)
 
-    def _final_chunk(self, rid: str, final: dict, text: str, first: int, context):
+    async def _final_chunk(self, rid: str, final: dict, text: str, first: int, context):
         error = final.pop("error", "")
         if final.get("finish_reason") == "FINISH_REASON_ERROR":
-            context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error or 'unknown'}")
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"generation failed: {error or 'unknown'}"
+            )
         if final.get("finish_reason") == "FINISH_REASON_CANCELLED":
-            context.abort(grpc.StatusCode.CANCELLED, error or "the request was cancelled")
+            await context.abort(grpc.StatusCode.CANCELLED, error or "the request was cancelled")
         if final.get("finish_reason") == "FINISH_REASON_DEADLINE":
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, error or "the deadline passed")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, error or "the deadline passed")
         info = json_format.ParseDict(final, generation_pb2.FinalInfo(), ignore_unknown_fields=True)
         if info.pool:
             metrics.DRAFTED.labels(info.pool).inc(info.speculation.drafted_tokens)
@@ -451,24 +496,31 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
 
     # --- Cancel, GetModelInfo -----------------------------------------------------------------
-    def Cancel(self, request, context):
-        who = self._authenticate(context)
+    async def Cancel(self, request, context):
+        who = await self._authenticate(context)
         if not request.request_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         rid = who.scoped(request.request_id)
-        self._record(rid, request.request_id, context)
+        await self._record(rid, request.request_id, context)
         try:
-            resp = self.scheduler.Cancel(
+            resp = await self._io(
+                self.scheduler.Cancel,
                 scheduler_pb2.SchedulerCancelRequest(request_id=rid),
                 timeout=self.settings.timeout_seconds,
             )
         except grpc.RpcError:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable; retry")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable; retry")
         return generation_pb2.CancelResponse(cancelled=resp.cancelled)
 
-    def GetModelInfo(self, request, context):
-        self._authenticate(context)
+    async def GetModelInfo(self, request, context):
+        await self._authenticate(context)
         ref = self.settings.model
+        try:
+            verifiers, rollout = await self._io(
+                lambda: (self.store.live_verifiers(), self.store.rollout())
+            )
+        except REDIS_ERRORS:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the registry is unavailable; retry")
         return generation_pb2.ModelInfo(
             name=self.manifest.get("name", ref.label),
             version=self.manifest.get("version", ""),
@@ -476,25 +528,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             max_seq_len=self.limits.max_seq_len,
             max_tokens_limit=self.limits.max_tokens_limit,
             sha256=self.manifest["sha256"],
-            pools=self._served_pools(context),
+            pools=served_pools(verifiers, rollout["canary_share"]),
         )
 
-    def _served_pools(self, context) -> list[generation_pb2.ServedPool]:
-        try:
-            verifiers, rollout = self.store.live_verifiers(), self.store.rollout()
-        except REDIS_ERRORS:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the registry is unavailable; retry")
-        pools = by_pool(verifiers)
-        shares = pool_shares(set(pools), rollout["canary_share"])
-        return [
-            generation_pb2.ServedPool(
-                pool=name,
-                model_versions=versions(members),
-                verifiers=len(members),
-                share=shares.get(name, 0.0),
-            )
-            for name, members in pools.items()
-        ]
+
+def served_pools(verifiers: list[dict[str, str]], canary_share: float):
+    """The rollout pools the registry's live verifiers serve, with their shares."""
+    pools = by_pool(verifiers)
+    shares = pool_shares(set(pools), canary_share)
+    return [
+        generation_pb2.ServedPool(
+            pool=name,
+            model_versions=versions(members),
+            verifiers=len(members),
+            share=shares.get(name, 0.0),
+        )
+        for name, members in pools.items()
+    ]
 
 
 def serving_versions(verifiers: list[dict[str, str]], canary_share: float, rid: str) -> list[str]:
@@ -568,15 +618,14 @@ def build(settings: GatewaySettings):
         log.warning("authentication is off: every caller is one anonymous tenant, no quotas")
     name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
     scheduler = scheduler_pb2_grpc.SchedulerStub(retrying_channel(settings.scheduler_address, name))
-    service = GenerationService(settings, tokenizer, store, scheduler, manifest)
-    server = Server(
+    server = AioServer(
         settings.host,
         settings.port,
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
-        max_workers=settings.max_workers,
         max_concurrent_rpcs=settings.max_concurrent_rpcs,
         public=True,
     )
+    service = GenerationService(settings, tokenizer, store, scheduler, manifest, server.loop)
     server.grpc.add_generic_rpc_handlers((_handler(service),))
     server.start()
     server.watch({"redis reachable": store.ping})
@@ -584,5 +633,6 @@ def build(settings: GatewaySettings):
 
     def on_stop() -> None:
         service.draining = True
+        service.tails.stop()
 
     return server, on_stop

@@ -1,0 +1,168 @@
+"""The output of every stream a gateway has open, from a few blocking reads.
+
+A stream does not poll Redis. Each reader thread holds up to STREAMS_PER_READER open streams
+of one shard (one on a single Redis; on Redis Cluster a shard's out keys share a slot, so one
+XREAD may name them all) and blocks in one XREAD on all their out keys at once, plus a wake
+key of its own. It hands each stream's entries to that stream's queue on the gateway's event
+loop. Opening a stream adds its key to a reader and writes the reader's wake key, so the
+blocked XREAD returns and the next one includes it; a closed stream's key is left out of the
+next read.
+
+Memory stays bounded per stream: a reader leaves out of its reads a stream whose queue holds
+MAX_BACKLOG batches its client has not taken (the verifier pauses a request whose client does
+not read, so its entries wait in Redis, not here); taking from a full queue wakes the reader.
+A Redis outage: the reader retries every half second and `outage_seconds` says for how long
+reads have been failing, for a stream to give up after its limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..common.outage import REDIS_ERRORS, OutageLog
+from ..common.store import RequestStore
+
+log = logging.getLogger(__name__)
+
+STREAMS_PER_READER = 256
+BLOCK_MS = 1000  # how long a read blocks with no output (it returns on any key's entry)
+COUNT = 64  # entries per key per read
+MAX_BACKLOG = 64  # batches a stream's queue holds before its reader leaves it out
+WAKE_TTL_MS = 60_000
+
+
+@dataclass(eq=False)
+class Tail:
+    """One open stream: the request, where its reads are, and the queue its entries go to."""
+
+    rid: str
+    key: str
+    last_id: str
+    queue: asyncio.Queue
+    reader: _Reader | None = None
+
+    async def get(self, timeout: float) -> list[tuple[str, dict[str, str]]] | None:
+        """The next batch of entries, or None after `timeout` seconds without one."""
+        full = self.queue.qsize() >= MAX_BACKLOG
+        try:
+            batch = await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            return None
+        if full and self.reader is not None:
+            self.reader.wake()  # it left this stream out while the queue was full
+        return batch
+
+
+@dataclass(eq=False)
+class _Reader:
+    tails: Tails
+    shard: int
+    wake_key: str
+    streams: dict[str, Tail] = field(default_factory=dict)  # out key -> its stream
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    has_streams: threading.Event = field(default_factory=threading.Event)
+
+    def add(self, tail: Tail) -> None:
+        with self.lock:
+            self.streams[tail.key] = tail
+            tail.reader = self
+            self.has_streams.set()
+        self.wake()
+
+    def remove(self, tail: Tail) -> None:
+        with self.lock:
+            if self.streams.get(tail.key) is tail:
+                del self.streams[tail.key]
+
+    def wake(self) -> None:
+        """Makes a blocked read return (so the next one reads the streams as they are now)."""
+        try:
+            pipe = self.tails.store.r.pipeline(transaction=False)
+            pipe.xadd(self.wake_key, {"w": 1}, maxlen=1, approximate=False)
+            pipe.pexpire(self.wake_key, WAKE_TTL_MS)
+            pipe.execute()
+        except REDIS_ERRORS:
+            pass  # the read returns within BLOCK_MS anyway
+
+    def run(self) -> None:
+        outage = OutageLog(log, "stream reads")
+        while not self.tails.stopped.is_set():
+            if not self.has_streams.wait(timeout=1.0):
+                continue
+            with self.lock:
+                live = [t for t in self.streams.values() if t.queue.qsize() < MAX_BACKLOG]
+                if not self.streams:
+                    self.has_streams.clear()
+            if not live and not self.streams:
+                continue
+            keys = {t.key: t.last_id for t in live}
+            keys[self.wake_key] = "$"
+            try:
+                resp = self.tails.store.r.xread(keys, block=BLOCK_MS, count=COUNT)
+            except REDIS_ERRORS as e:
+                outage.failed(e)
+                self.tails.failing_since = self.tails.failing_since or time.monotonic()
+                self.tails.stopped.wait(0.5)
+                continue
+            outage.succeeded()
+            self.tails.failing_since = 0.0
+            for key, entries in resp:
+                with self.lock:
+                    tail = self.streams.get(key)
+                if tail is None or not entries:
+                    continue  # the wake key, or a stream closed meanwhile
+                tail.last_id = entries[-1][0]
+                self.tails.loop.call_soon_threadsafe(tail.queue.put_nowait, entries)
+
+
+class Tails:
+    """The readers of one gateway (see the module's docstring)."""
+
+    def __init__(self, store: RequestStore, loop: asyncio.AbstractEventLoop):
+        self.store, self.loop = store, loop
+        self.stopped = threading.Event()
+        self.failing_since = 0.0  # monotonic time reads began failing; 0: they do not
+        self._id = uuid.uuid4().hex[:12]
+        self._readers: list[_Reader] = []
+        self._lock = threading.Lock()
+
+    def outage_seconds(self) -> float:
+        return time.monotonic() - self.failing_since if self.failing_since else 0.0
+
+    def open(self, rid: str, last_id: str = "0-0") -> Tail:
+        """Starts reading a request's output after `last_id`. Call from the event loop."""
+        tail = Tail(rid, self.store.layout.out(rid), last_id, asyncio.Queue())
+        self._reader_for(self.store.layout.shard_of(rid)).add(tail)
+        return tail
+
+    def close(self, tail: Tail) -> None:
+        if tail.reader is not None:
+            tail.reader.remove(tail)
+
+    def open_streams(self) -> int:
+        with self._lock:
+            return sum(len(r.streams) for r in self._readers)
+
+    def readers(self) -> int:
+        with self._lock:
+            return len(self._readers)
+
+    def _reader_for(self, shard: int) -> _Reader:
+        with self._lock:
+            for reader in self._readers:
+                if reader.shard == shard and len(reader.streams) < STREAMS_PER_READER:
+                    return reader
+            n = len(self._readers)
+            wake = self.store.layout.gateway_wake(self._id, n, shard)
+            reader = _Reader(self, shard, wake)
+            self._readers.append(reader)
+        threading.Thread(target=reader.run, name=f"tail-{shard}-{n}", daemon=True).start()
+        return reader
+
+    def stop(self) -> None:
+        self.stopped.set()
