@@ -153,6 +153,29 @@ class RedisClusterNodes:
                 return port
         return None
 
+    def node_id(self, port: int) -> str:
+        return self.node(port).execute_command("CLUSTER", "MYID")
+
+    def migrate_slot(
+        self, slot: int, source: int, target: int, batch: int = 10, between=lambda: None
+    ) -> int:
+        """Moves a slot from master `source` to master `target` as `redis-cli --cluster
+        reshard` does (IMPORTING, MIGRATING, MIGRATE of its keys a few at a time, calling
+        `between` after each, then NODE on every master); returns how many keys moved."""
+        src, dst = self.node(source), self.node(target)
+        src_id, dst_id = self.node_id(source), self.node_id(target)
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        moved = 0
+        while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch):
+            src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+            moved += len(keys)
+            between()
+        for port, role in self.roles().items():
+            if role == "master":
+                self.node(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        return moved
+
     def kill(self, port: int) -> None:
         self.procs[port].kill()
         self.procs[port].wait(timeout=30)

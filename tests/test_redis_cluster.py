@@ -119,6 +119,61 @@ def test_a_write_no_replica_holds_is_not_acknowledged_and_a_failover_keeps_what_
     assert store.waiting_count("batch") == 2
 
 
+def test_a_slot_migration_under_writes_makes_them_retry_and_loses_nothing(nodes):
+    """The slot of one shard moves to another master, a few keys at a time, while requests
+    of that shard are created, claimed and written step after step: a write that meets the
+    move fails as Redis being away (the verifier writes it again with its next step, as
+    here) or follows it; none raises anything else, and every token ends up written once."""
+    store = RequestStore.from_url(nodes.url, cluster=True)
+    store.ensure_queues()
+    at = store.layout
+    rids = [r for r in (f"m{i}" for i in range(400)) if at.shard_of(r) == 3][:12]
+    slot = nodes.node(nodes.live_ports()[0]).cluster("keyslot", at.req(rids[0]))
+    source = nodes.master_of(at.req(rids[0]))
+    target = next(p for p, role in nodes.roles().items() if role == "master" and p != source)
+    for rid in rids:
+        assert store.create(rid, spec(rid, 200), "interactive", 1000)[0] == 0
+        assert store.claim(rid, "v1", 1, incarnation="i1") == 1
+    written = dict.fromkeys(rids, 0)
+    retried, unexpected, rounds = [0], [], [0]
+    done = threading.Event()
+
+    def steps() -> None:  # a verifier's decode loop: a failed write is sent again next step
+        while not done.is_set() or min(written.values()) < 120:
+            batch = [(rid, written[rid], [written[rid] % 97 + 1]) for rid in rids]
+            try:
+                results = store.commit_step("v1", batch, incarnation="i1")
+            except Exception as e:  # commit_step reports failures per request, never raises
+                unexpected.append(repr(e))
+                return
+            for rid, result in zip(rids, results, strict=True):
+                if result is None:
+                    retried[0] += 1
+                else:
+                    written[rid] = result[1]
+            rounds[0] += 1
+
+    writer = threading.Thread(target=steps)
+    writer.start()
+    wait_until(lambda: min(written.values()) >= 20, "steps written before the move")
+
+    def two_more_steps() -> None:  # the move is spread over the writes: some meet it
+        seen = rounds[0]
+        wait_until(lambda: rounds[0] >= seen + 2, "two steps during the move")
+
+    moved = nodes.migrate_slot(slot, source, target, batch=6, between=two_more_steps)
+    done.set()
+    writer.join(timeout=120)
+    assert not writer.is_alive() and unexpected == []
+    assert moved >= 2 * len(rids)  # req and out keys of each, with the shard's queue and sets
+    assert nodes.master_of(at.req(rids[0])) == target
+    for rid in rids:
+        assert store.progress(rid) == [k % 97 + 1 for k in range(written[rid])], rid
+        assert store.get(rid).generated == written[rid]
+    assert store.owned("v1") == sorted(rids)
+    print(f"slot {slot}: {moved} keys moved; {retried[0]} writes failed and were written again")
+
+
 def _retried(write, *args):
     try:
         return write(*args)

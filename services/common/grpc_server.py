@@ -28,10 +28,11 @@ OPTIONS = [
 T = TypeVar("T")
 
 
-def retrying_channel(address: str, service: str) -> grpc.Channel:
+def retrying_channel(address: str, service: str, aio: bool = False) -> grpc.Channel:
     """A channel whose calls to `service` (whose methods must all be idempotent) are retried
     on UNAVAILABLE with exponential backoff by gRPC itself. Streams that already delivered a
-    response are never retried (gRPC commits a call once data arrives)."""
+    response are never retried (gRPC commits a call once data arrives). With `aio`, a
+    grpc.aio channel (create it on its event loop)."""
     config = {
         "methodConfig": [
             {
@@ -46,9 +47,8 @@ def retrying_channel(address: str, service: str) -> grpc.Channel:
             }
         ]
     }
-    return tls.channel(
-        address, [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
-    )
+    options = [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
+    return (tls.aio_channel if aio else tls.channel)(address, options)
 
 
 class _Serving:

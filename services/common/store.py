@@ -172,9 +172,13 @@ def now_ms() -> int:
 
 
 # Creates the request and queues it, unless it exists (idempotency) or the queue is full.
-# Returns {code, waiting}: code 0 created, 1 existed, 2 queue full.
+# Returns {code, waiting}: code 0 created, 1 existed, 2 queue full. A repeat writes a count
+# (`submits`), so a WAIT after it covers the creation too (replication keeps its order).
 _CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return {1, 0} end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'submits', 1)
+  return {1, 0}
+end
 local waiting = tonumber(redis.call('GET', KEYS[3]) or '0')
 if waiting >= tonumber(ARGV[3]) then return {2, waiting} end
 local id = redis.call('XADD', KEYS[2], '*', 'rid', ARGV[6])
@@ -253,11 +257,18 @@ return 1
 # Ends a running request ARGV[6] owned by ARGV[1] in incarnation ARGV[8] with status ARGV[2]
 # and final ARGV[3] (after ARGV[4] tokens); KEYS[3] is its queue (group ARGV[5]), KEYS[4] the
 # owner's set; the request's keys expire after ARGV[7] seconds.
-# Returns 1, or 0 if the caller does not own it (someone else finishes it).
+# Returns 1, or 0 if the caller does not own it (someone else finishes it). A repeat by the
+# owner that ended it (a retry) returns 1 and writes a count (`finishes`), so a WAIT after it
+# covers the end too.
 _FINISH = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'running'
-   or redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1]
-   or (redis.call('HGET', KEYS[1], 'incarnation') or '') ~= ARGV[8] then return 0 end
+local mine = redis.call('HGET', KEYS[1], 'owner') == ARGV[1]
+   and (redis.call('HGET', KEYS[1], 'incarnation') or '') == ARGV[8]
+local status = redis.call('HGET', KEYS[1], 'status')
+if mine and status ~= 'running' and status ~= 'queued' and status then
+  redis.call('HINCRBY', KEYS[1], 'finishes', 1)
+  return 1
+end
+if status ~= 'running' or not mine then return 0 end
 redis.call('XADD', KEYS[2], '*', 'first', ARGV[4], 'ids', '', 'final', ARGV[3])
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'final', ARGV[3])
 local e = redis.call('HGET', KEYS[1], 'entry_id')
@@ -569,7 +580,8 @@ class RequestStore:
         for shard in range(self.layout.shards):
             queue = self.layout.queue(cls, shard)
             entries += [
-                (eid, f["rid"]) for eid, f in self.r.xrange(queue, "-", cutoff_ms, count=count)
+                (eid, f.get("rid", ""))
+                for eid, f in self.r.xrange(queue, "-", cutoff_ms, count=count)
             ]
         return [rid for _, rid in sorted(entries, key=_entry_order)[:count] if rid]
 
@@ -881,8 +893,11 @@ class RequestStore:
                 incarnation,
             ],
         )
-        if done and session_id:  # a hint for the session's next turn (not in the script:
-            self.r.set(session_key(session_id), vid, ex=RESULT_TTL_SECONDS)  # another slot)
+        if done and session_id:  # a hint for the session's next turn (another slot: not in
+            try:  # the script; a hint lost costs a cache miss, never the request's end)
+                self.r.set(session_key(session_id), vid, ex=RESULT_TTL_SECONDS)
+            except REDIS_ERRORS:
+                log.warning("session hint not written", extra={"request_id": rid})
         return bool(done)
 
     # --- gateway side ---------------------------------------------------------------------

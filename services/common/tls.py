@@ -88,6 +88,16 @@ def channel(address: str, options: list[tuple[str, object]] | None = None) -> gr
     return grpc.secure_channel(address, credentials, options=options)
 
 
+def aio_channel(address: str, options: list[tuple[str, object]] | None = None):
+    """`channel` for grpc.aio (create it on the event loop that uses it)."""
+    options = list(options or [])
+    if _creds is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(_creds.ca, _creds.key, _creds.cert)
+    options.append(("grpc.ssl_target_name_override", _creds.server_name))
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
 def make_dev_certs(out: Path, days: int = 365) -> dict[str, Path]:
     """A private CA and, signed by it, a certificate and key per service (and one for a
     client), each valid for SERVER_NAME, localhost and 127.0.0.1. Returns the paths."""

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import redis
 import yaml
+from redis.cluster import RedisCluster
 
 from ..common.settings import Tier
 from ..common.store import PREFIX, now_ms
@@ -148,7 +149,8 @@ class KeyStore:
             "revoked": 0,
             **{name: int(value) for name, value in limits.model_dump().items()},
         }
-        pipe = self.r.pipeline(transaction=False)  # (two slots on Redis Cluster: the record first)
+        # One transaction on one Redis; on Redis Cluster two slots: the record first.
+        pipe = self.r.pipeline(transaction=not isinstance(self.r, RedisCluster))
         pipe.hset(key_record(key_id), mapping=record)
         pipe.sadd(KEY_IDS, key_id)
         pipe.execute()

@@ -69,9 +69,9 @@ def _deserialize(raw: bytes):
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     """The public API, as coroutines on the server's event loop: an open stream holds no
-    thread. Its output comes from `Tails` (a few blocking reads for every open stream);
-    Redis commands, tokenizing and the scheduler's calls run on a bounded pool of threads
-    (`max_workers`), so a slow one holds up no other stream."""
+    thread. Its output comes from `Tails` (a few blocking reads for every open stream); the
+    scheduler is called on grpc.aio; Redis commands and tokenizing run on a bounded pool of
+    threads (`max_workers`)."""
 
     def __init__(
         self,
@@ -101,6 +101,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.loop = loop
         self.pool = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="gateway-io")
         self.tails = Tails(store, loop)
+        self._cancels: set[asyncio.Task] = set()  # cancels of requests whose client left
 
     async def _io(self, fn, *args, **kwargs):
         """Runs blocking work (Redis, the tokenizer, a call to the scheduler) on the pool."""
@@ -149,8 +150,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             return
         try:
             # Waits out a restarting scheduler (within the deadline); Submit is idempotent.
-            await self._io(
-                self.scheduler.Submit,
+            await self.scheduler.Submit(
                 submit,
                 timeout=self._timeout(context),
                 wait_for_ready=True,
@@ -248,18 +248,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             metrics.OPEN_STREAMS.dec()
         call.span.set_attributes({k: v for k, v in record.items() if k != "client"})
         call.span.end()
-        cancel = call.streaming and not call.finish and not self.draining
-        self.pool.submit(self._settle, call, record, cancel)
+        if call.streaming and not call.finish and not self.draining:
+            # (streams cut by a drain are re-attached to)
+            task = self.loop.create_task(self._cancel_quietly(call.rid))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+        self.pool.submit(self._settle, call, record)
 
-    def _settle(self, call: Call, record: dict, cancel: bool) -> None:
+    def _settle(self, call: Call, record: dict) -> None:
         if call.stream:
             unused = 0 if call.resumed else call.max_tokens - call.emitted
             try:
                 self.keys.release(call.who, call.stream, unused)
             except REDIS_ERRORS:
                 log.warning("quota release failed; the slot ages out")
-        if cancel:
-            self._cancel_quietly(call.rid)  # (streams cut by a drain are re-attached to)
         self.audit.write(record)
 
     # --- result cache -----------------------------------------------------------------------
@@ -421,7 +423,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         pass  # written with the next batch; the reads say if Redis is away
                 entries = await tail.get(timeout=1.0)
                 if entries is None:
-                    if self.tails.outage_seconds() > REDIS_OUTAGE_SECONDS:
+                    if tail.outage_seconds() > REDIS_OUTAGE_SECONDS:
                         await context.abort(
                             grpc.StatusCode.UNAVAILABLE,
                             f"request state is unavailable; re-attach with resume_from={start}",
@@ -483,9 +485,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             model_version=info.model_version,
         )
 
-    def _cancel_quietly(self, rid: str) -> None:
+    async def _cancel_quietly(self, rid: str) -> None:
         try:
-            self.scheduler.Cancel(
+            await self.scheduler.Cancel(
                 scheduler_pb2.SchedulerCancelRequest(request_id=rid),
                 timeout=self.settings.timeout_seconds,
                 wait_for_ready=True,
@@ -503,8 +505,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         rid = who.scoped(request.request_id)
         await self._record(rid, request.request_id, context)
         try:
-            resp = await self._io(
-                self.scheduler.Cancel,
+            resp = await self.scheduler.Cancel(
                 scheduler_pb2.SchedulerCancelRequest(request_id=rid),
                 timeout=self.settings.timeout_seconds,
             )
@@ -617,7 +618,6 @@ def build(settings: GatewaySettings):
     if settings.auth == "off":
         log.warning("authentication is off: every caller is one anonymous tenant, no quotas")
     name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-    scheduler = scheduler_pb2_grpc.SchedulerStub(retrying_channel(settings.scheduler_address, name))
     server = AioServer(
         settings.host,
         settings.port,
@@ -625,6 +625,11 @@ def build(settings: GatewaySettings):
         max_concurrent_rpcs=settings.max_concurrent_rpcs,
         public=True,
     )
+
+    async def scheduler_channel():  # (made on the server's loop, which uses it)
+        return retrying_channel(settings.scheduler_address, name, aio=True)
+
+    scheduler = scheduler_pb2_grpc.SchedulerStub(server.run(scheduler_channel()))
     service = GenerationService(settings, tokenizer, store, scheduler, manifest, server.loop)
     server.grpc.add_generic_rpc_handlers((_handler(service),))
     server.start()
@@ -633,6 +638,5 @@ def build(settings: GatewaySettings):
 
     def on_stop() -> None:
         service.draining = True
-        service.tails.stop()
 
     return server, on_stop

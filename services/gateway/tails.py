@@ -11,8 +11,8 @@ next read.
 Memory stays bounded per stream: a reader leaves out of its reads a stream whose queue holds
 MAX_BACKLOG batches its client has not taken (the verifier pauses a request whose client does
 not read, so its entries wait in Redis, not here); taking from a full queue wakes the reader.
-A Redis outage: the reader retries every half second and `outage_seconds` says for how long
-reads have been failing, for a stream to give up after its limit.
+A Redis outage: the reader retries every half second and a stream's `outage_seconds` says for
+how long its reader's reads have been failing, for it to give up after its limit.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..common.outage import REDIS_ERRORS, OutageLog
@@ -48,14 +49,18 @@ class Tail:
 
     async def get(self, timeout: float) -> list[tuple[str, dict[str, str]]] | None:
         """The next batch of entries, or None after `timeout` seconds without one."""
-        full = self.queue.qsize() >= MAX_BACKLOG
         try:
             batch = await asyncio.wait_for(self.queue.get(), timeout)
         except TimeoutError:
             return None
-        if full and self.reader is not None:
-            self.reader.wake()  # it left this stream out while the queue was full
+        if self.queue.qsize() == MAX_BACKLOG - 1 and self.reader is not None:
+            self.reader.wake()  # it may have left this stream out while the queue was full
         return batch
+
+    def outage_seconds(self) -> float:
+        """How long its reader's reads have been failing (0: they are not)."""
+        since = self.reader.failing_since if self.reader else 0.0
+        return time.monotonic() - since if since else 0.0
 
 
 @dataclass(eq=False)
@@ -66,6 +71,8 @@ class _Reader:
     streams: dict[str, Tail] = field(default_factory=dict)  # out key -> its stream
     lock: threading.Lock = field(default_factory=threading.Lock)
     has_streams: threading.Event = field(default_factory=threading.Event)
+    wake_id: str = "0-0"  # the last wake entry read (a wake written at any time is seen)
+    failing_since: float = 0.0  # monotonic time its reads began failing; 0: they do not
 
     def add(self, tail: Tail) -> None:
         with self.lock:
@@ -80,7 +87,11 @@ class _Reader:
                 del self.streams[tail.key]
 
     def wake(self) -> None:
-        """Makes a blocked read return (so the next one reads the streams as they are now)."""
+        """Makes a blocked read return (so the next one reads the streams as they are now),
+        off the caller's thread (the event loop's)."""
+        self.tails.wakes.submit(self._wake)
+
+    def _wake(self) -> None:
         try:
             pipe = self.tails.store.r.pipeline(transaction=False)
             pipe.xadd(self.wake_key, {"w": 1}, maxlen=1, approximate=False)
@@ -92,32 +103,41 @@ class _Reader:
     def run(self) -> None:
         outage = OutageLog(log, "stream reads")
         while not self.tails.stopped.is_set():
-            if not self.has_streams.wait(timeout=1.0):
+            try:
+                self._read_once(outage)
+            except Exception:  # not Redis: a bug; the streams wait, the reader goes on
+                log.exception("stream read failed")
+                self.tails.stopped.wait(0.5)
+
+    def _read_once(self, outage: OutageLog) -> None:
+        if not self.has_streams.wait(timeout=1.0):
+            return
+        with self.lock:
+            live = [t for t in self.streams.values() if t.queue.qsize() < MAX_BACKLOG]
+            if not self.streams:
+                self.has_streams.clear()
+                return
+        keys = {t.key: t.last_id for t in live}
+        keys[self.wake_key] = self.wake_id
+        try:
+            resp = self.tails.store.r.xread(keys, block=BLOCK_MS, count=COUNT)
+        except REDIS_ERRORS as e:
+            outage.failed(e)
+            self.failing_since = self.failing_since or time.monotonic()
+            self.tails.stopped.wait(0.5)
+            return
+        outage.succeeded()
+        self.failing_since = 0.0
+        for key, entries in resp:
+            if key == self.wake_key:
+                self.wake_id = entries[-1][0] if entries else self.wake_id
                 continue
             with self.lock:
-                live = [t for t in self.streams.values() if t.queue.qsize() < MAX_BACKLOG]
-                if not self.streams:
-                    self.has_streams.clear()
-            if not live and not self.streams:
-                continue
-            keys = {t.key: t.last_id for t in live}
-            keys[self.wake_key] = "$"
-            try:
-                resp = self.tails.store.r.xread(keys, block=BLOCK_MS, count=COUNT)
-            except REDIS_ERRORS as e:
-                outage.failed(e)
-                self.tails.failing_since = self.tails.failing_since or time.monotonic()
-                self.tails.stopped.wait(0.5)
-                continue
-            outage.succeeded()
-            self.tails.failing_since = 0.0
-            for key, entries in resp:
-                with self.lock:
-                    tail = self.streams.get(key)
-                if tail is None or not entries:
-                    continue  # the wake key, or a stream closed meanwhile
-                tail.last_id = entries[-1][0]
-                self.tails.loop.call_soon_threadsafe(tail.queue.put_nowait, entries)
+                tail = self.streams.get(key)
+            if tail is None or not entries:
+                continue  # a stream closed meanwhile
+            tail.last_id = entries[-1][0]
+            self.tails.loop.call_soon_threadsafe(tail.queue.put_nowait, entries)
 
 
 class Tails:
@@ -126,13 +146,10 @@ class Tails:
     def __init__(self, store: RequestStore, loop: asyncio.AbstractEventLoop):
         self.store, self.loop = store, loop
         self.stopped = threading.Event()
-        self.failing_since = 0.0  # monotonic time reads began failing; 0: they do not
+        self.wakes = ThreadPoolExecutor(1, thread_name_prefix="tail-wake")
         self._id = uuid.uuid4().hex[:12]
         self._readers: list[_Reader] = []
         self._lock = threading.Lock()
-
-    def outage_seconds(self) -> float:
-        return time.monotonic() - self.failing_since if self.failing_since else 0.0
 
     def open(self, rid: str, last_id: str = "0-0") -> Tail:
         """Starts reading a request's output after `last_id`. Call from the event loop."""

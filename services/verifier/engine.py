@@ -155,6 +155,10 @@ class Engine:
         """Hands every request here back to the queue with its progress (the loop is not
         running); how many were."""
         self._take_new(block=False)
+        try:
+            self._landed()  # the write in flight, if any: its tokens count as written
+        except Exception:
+            log.exception("the last step write failed; its tokens are written again")
         handed = 0
         for seq in list(self.running.values()):
             try:
@@ -379,7 +383,7 @@ class Engine:
         if self._writer is None:
             written = list(zip(seqs, self._flush(seqs), strict=True))
         else:
-            written = [(s, state) for s, state in self._landed() if s.request_id in self.running]
+            written = [(s, st) for s, st in self._landed() if self.running.get(s.request_id) is s]
         for seq, state in written:
             if state == StepState.LOST:
                 self._drop(seq, "lost: the request was requeued elsewhere")
