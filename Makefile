@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto models run test bench bench-load bench-kv bench-learn bench-tp bench-engine gpu-check gpu-bundle lint \
+.PHONY: setup install proto models run test bench bench-load bench-kv bench-learn bench-tp bench-scale bench-engine gpu-check gpu-bundle lint \
 	clean image image-gpu k8s-secrets k8s-render
 
 setup: install proto models
@@ -73,6 +73,15 @@ bench-learn: setup
 # parallelism"); BENCH_DEVICE=cuda on a machine with 2 GPUs.
 bench-tp: setup
 	$(PY) -m benchmarks.tensor_parallel --ranks 2 --threads 2 --dtype float32 --device $(BENCH_DEVICE)
+
+# Many streams and long outputs: 2,000 streams on one gateway process; 8,000-token outputs
+# through a gateway kill; what a step pays for its Redis write (sync against async).
+bench-scale: setup
+	$(PY) -m benchmarks.scale --streams 2000 --seconds 20 --step-ms 1000 --batch 64
+	$(PY) -m benchmarks.long_output --tokens 8000 --batch 4
+	$(VENV)/bin/specserve models fetch smollm2-135m-instruct@0.1.2
+	$(PY) -m benchmarks.step_writes --tiny --threads 1 --reps 5
+	$(PY) -m benchmarks.step_writes --threads 2 --reps 3 --tokens 64
 
 # The engine alone (no cluster) against its bandwidth bounds; LABEL keys the run in
 # benchmarks/results/engine.json (e.g. `make bench-engine LABEL=after`).

@@ -9,11 +9,14 @@ would; a writer process then plays the verifiers: every `--step-ms` each of
 streams / `--batch` verifiers, at its own phase in the step, commits one token to each of its
 `--batch` requests with `RequestStore.commit_step` (one pipelined round trip, as a verifier's
 step does), recording when it sent the commit. One client process holds every stream open
-(grpc.aio, `Generate(request_id, resume_from=0)`, 100 streams a channel) and records when each
-token arrives. The delay of a token is its arrival less its commit's send time (one clock:
+(grpc.aio, `Generate(request_id, resume_from=0)`, 100 streams a channel; one that ends
+CANCELLED is re-attached from its next index, as a client does) and records when each token
+arrives. The delay of a token is its arrival less its commit's send time (one clock:
 CLOCK_MONOTONIC); it includes the Redis write, the gateway, the network stack and the client.
-Also reported: the gateway's threads and resident memory with no stream open and with all of
-them open, and tokens per second delivered.
+The writer starts once the gateway has opened every stream (each has set its read cursor in
+Redis). Also reported: the 99th percentile by second of the run, the gateway's threads and
+resident memory with no stream open, with all of them open and after, and tokens per second
+delivered.
 Writes <out>/scale_<streams>.json.
 """
 
@@ -80,22 +83,28 @@ async def client(address: str, rids: list[str], args, out) -> None:
     arrived: dict[str, list[float]] = {rid: [] for rid in rids}
     opened = 0
 
+    reopened = [0]
+
     async def one(i: int, rid: str) -> None:
         nonlocal opened
         stub = generation_pb2_grpc.GenerationStub(channels[i // 100])
-        req = generation_pb2.GenerateRequest(request_id=rid, resume_from=0)
-        call = stub.Generate(req, timeout=args.seconds + 120)
-        opened += 1
-        try:
-            async for chunk in call:
-                now = time.monotonic()
-                arrived[rid].extend([now] * len(chunk.token_ids))
-                if len(arrived[rid]) >= args.expected:
-                    call.cancel()
-                    return
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                raise
+        counted = False
+        while True:  # a stream that breaks is re-attached from its next index, as clients do
+            req = generation_pb2.GenerateRequest(request_id=rid, resume_from=len(arrived[rid]))
+            call = stub.Generate(req, timeout=args.seconds + 120)
+            if not counted:
+                opened, counted = opened + 1, True
+            try:
+                async for chunk in call:
+                    now = time.monotonic()
+                    arrived[rid].extend([now] * len(chunk.token_ids))
+                    if len(arrived[rid]) >= args.expected:
+                        call.cancel()
+                        return
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED:
+                    raise
+                reopened[0] += 1
 
     tasks = [asyncio.create_task(one(i, rid)) for i, rid in enumerate(rids)]
     while opened < len(rids):
@@ -105,7 +114,7 @@ async def client(address: str, rids: list[str], args, out) -> None:
     for t in pending:
         t.cancel()
     errors = [repr(t.exception()) for t in done if t.exception()]
-    out.put((arrived, errors[:5], len(pending)))
+    out.put((arrived, errors[:5], len(pending), reopened[0]))
 
 
 def run_client(address, rids, args, out) -> None:
@@ -144,7 +153,11 @@ def main() -> None:
             clients = ctx.Process(target=run_client, args=(gateway.address, rids, args, results))
             clients.start()
             assert results.get(timeout=300) == "open"
-            time.sleep(1.0)  # every stream's first (empty) read is done: the open state
+            # Every stream is open at the gateway once it has set its read cursor.
+            deadline = time.monotonic() + 300
+            while not all(store.r.hexists(store.layout.req(rid), "read") for rid in rids):
+                assert time.monotonic() < deadline, "the gateway did not open every stream"
+                time.sleep(0.2)
             loaded = proc_status(gateway.popen.pid)
             start_at = time.monotonic() + 0.5
             sent_q = ctx.Queue()
@@ -153,7 +166,7 @@ def main() -> None:
             )
             writers.start()
             sent = sent_q.get(timeout=args.seconds + 300)
-            arrived, errors, unfinished = results.get(timeout=args.seconds + 300)
+            arrived, errors, unfinished, reopened = results.get(timeout=args.seconds + 300)
             writers.join()
             clients.join()
             streaming = proc_status(gateway.popen.pid)
@@ -163,6 +176,11 @@ def main() -> None:
         1000 * (a - s) for rid in rids for s, a in zip(sent[rid], arrived[rid], strict=False)
     )
     got = sum(len(v) for v in arrived.values())
+    by_second: dict[int, list[float]] = {}
+    for rid in rids:
+        for s, a in zip(sent[rid], arrived[rid], strict=False):
+            by_second.setdefault(int(s - start_at), []).append(1000 * (a - s))
+    p99_by_second = [round(sorted(v)[int(0.99 * len(v))], 1) for _, v in sorted(by_second.items())]
 
     def pct(q: float) -> float:
         return round(delays[min(len(delays) - 1, int(q * len(delays)))], 2)
@@ -181,6 +199,7 @@ def main() -> None:
         "tokens_received": got,
         "tokens_per_second": round(got / args.seconds, 1),
         "streams_unfinished": unfinished,
+        "streams_reattached": reopened,  # ended CANCELLED before their last token
         "client_errors": errors,
         "delay_ms": {
             "p50": pct(0.50),
@@ -189,6 +208,7 @@ def main() -> None:
             "max": round(delays[-1], 2) if delays else None,
             "mean": round(statistics.mean(delays), 2) if delays else None,
         },
+        "delay_ms_p99_by_second": p99_by_second,
         "gateway_process": {"idle": idle, "streams_open": loaded, "after_streaming": streaming},
     }
     out = Path(args.out)

@@ -906,6 +906,13 @@ class RequestStore:
         (the cursor a verifier pauses the request by)."""
         self._read(keys=[self.layout.req(rid)], args=[sent])
 
+    def mark_read_many(self, cursors: dict[str, int]) -> list[str]:
+        """mark_read for many requests in one round trip (per node); the ids whose write
+        failed."""
+        calls = [([self.layout.req(rid)], [sent]) for rid, sent in cursors.items()]
+        results = self._pipelined(self._read, calls)
+        return [rid for rid, r in zip(cursors, results, strict=True) if isinstance(r, Exception)]
+
     def tail(self, rid: str, last_id: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
         """Output-stream entries after last_id, waiting up to block_ms for the first."""
         resp = self.r.xread({self.layout.out(rid): last_id}, block=block_ms, count=64)

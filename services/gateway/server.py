@@ -253,7 +253,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             task = self.loop.create_task(self._cancel_quietly(call.rid))
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
-        self.pool.submit(self._settle, call, record)
+        try:
+            self.pool.submit(self._settle, call, record)
+        except RuntimeError:  # the process is exiting (the pool is shut): settle it here
+            self._settle(call, record)
 
     def _settle(self, call: Call, record: dict) -> None:
         if call.stream:
@@ -411,16 +414,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         rid, public_id = call.rid, call.public_id
         call.streaming = True
         metrics.OPEN_STREAMS.inc()
-        marked = None  # the cursor as last written
+        marked = None  # the cursor as last set
         tail = self.tails.open(rid)
         try:
             while True:
                 if marked != start:
-                    try:
-                        await self._io(self.store.mark_read, rid, start)
-                        marked = start
-                    except REDIS_ERRORS:
-                        pass  # written with the next batch; the reads say if Redis is away
+                    self.tails.cursors.set(rid, start)
+                    marked = start
                 entries = await tail.get(timeout=1.0)
                 if entries is None:
                     if tail.outage_seconds() > REDIS_OUTAGE_SECONDS:

@@ -140,6 +140,43 @@ class _Reader:
             self.tails.loop.call_soon_threadsafe(tail.queue.put_nowait, entries)
 
 
+class Cursors:
+    """The `read` cursors of every open stream, written together: a stream sets its own
+    (no Redis call on its path) and one thread writes those that moved every FLUSH_SECONDS,
+    in one round trip. A verifier's pause waits on a cursor at most that much older."""
+
+    FLUSH_SECONDS = 0.05
+
+    def __init__(self, store: RequestStore, stopped: threading.Event):
+        self.store, self.stopped = store, stopped
+        self._moved: dict[str, int] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="read-cursors", daemon=True).start()
+
+    def set(self, rid: str, sent: int) -> None:
+        with self._lock:
+            self._moved[rid] = max(sent, self._moved.get(rid, 0))
+
+    def _run(self) -> None:
+        outage = OutageLog(log, "read cursors")
+        while not self.stopped.wait(self.FLUSH_SECONDS):
+            with self._lock:
+                moved, self._moved = self._moved, {}
+            if not moved:
+                continue
+            try:
+                failed = self.store.mark_read_many(moved)
+            except REDIS_ERRORS as e:
+                outage.failed(e)
+                failed = list(moved)
+            else:
+                outage.succeeded()
+            if failed:  # written with the next flush (unless the stream moved on since)
+                with self._lock:
+                    for rid in failed:
+                        self._moved.setdefault(rid, moved[rid])
+
+
 class Tails:
     """The readers of one gateway (see the module's docstring)."""
 
@@ -147,6 +184,7 @@ class Tails:
         self.store, self.loop = store, loop
         self.stopped = threading.Event()
         self.wakes = ThreadPoolExecutor(1, thread_name_prefix="tail-wake")
+        self.cursors = Cursors(store, self.stopped)
         self._id = uuid.uuid4().hex[:12]
         self._readers: list[_Reader] = []
         self._lock = threading.Lock()
