@@ -90,6 +90,21 @@ class NoDrafts:
         pass
 
 
+def sequence(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
+    """A greedy interactive sequence as Verifier.Admit makes one, admitted now."""
+    return Sequence(
+        request_id=rid,
+        prompt_ids=prompt,
+        max_tokens=max_tokens,
+        params=SamplingParams(),
+        stop=[],
+        queue="interactive",
+        entry_id="0-0",
+        created_ms=0,
+        admitted_ms=int(time.time() * 1000),
+    )
+
+
 def simulate(flat: FlatModel, store: RequestStore, requests: list[Request], rule: str, args):
     pool = flat.use_pool(args.kv_tokens, args.block_size, fixed=True)
     admission = Admission(
@@ -127,17 +142,7 @@ def simulate(flat: FlatModel, store: RequestStore, requests: list[Request], rule
             spec = {"prompt_ids": req.prompt, "max_tokens": req.max_tokens}
             store.create(rid, spec, "interactive", 10_000)
             store.claim(rid, VID, int(time.time() * 1000))
-            seq = Sequence(
-                request_id=rid,
-                prompt_ids=req.prompt,
-                max_tokens=req.output,  # its EOS: admission saw req.max_tokens
-                params=SamplingParams(),
-                stop=[],
-                queue="interactive",
-                entry_id="0-0",
-                created_ms=0,
-                admitted_ms=int(time.time() * 1000),
-            )
+            seq = sequence(rid, req.prompt, req.output)  # its EOS: admission saw max_tokens
             engine.admit(seq, grant)
             engine._take_new(block=False)
             seqs.append(seq)

@@ -19,7 +19,6 @@ Writes <out>/long_output_<tokens>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import statistics
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from benchmarks import write_results
 from benchmarks.kv_concurrency import tiny_qwen
 from specserve.common import models
 from specserve.common.settings import ModelRef, ServiceSettings
@@ -179,12 +179,7 @@ def main() -> None:
         "wall_s": round(wall, 1),
         "cluster_start_s": round(began - started, 1),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"long_output_{args.tokens}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    write_results(report, args.out, f"long_output_{args.tokens}")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ from pathlib import Path
 import grpc
 import yaml
 
+from benchmarks import write_results
 from specserve.common.store import RequestStore
 from specserve.local_cluster import LocalCluster, without_security
 from specserve.v1 import generation_pb2, generation_pb2_grpc
@@ -211,12 +210,7 @@ def main() -> None:
         "delay_ms_p99_by_second": p99_by_second,
         "gateway_process": {"idle": idle, "streams_open": loaded, "after_streaming": streaming},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"scale_{args.streams}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
-    print(f"wrote {path}", file=sys.stderr)
+    write_results(report, args.out, f"scale_{args.streams}")
 
 
 if __name__ == "__main__":

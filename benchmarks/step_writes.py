@@ -24,11 +24,11 @@ import statistics
 import subprocess
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.kv_concurrency import VID, NoDrafts, smollm2, tiny_qwen
+from benchmarks import write_results
+from benchmarks.kv_concurrency import VID, NoDrafts, sequence, smollm2, tiny_qwen
 from specserve.common.flat_model import FlatModel
 from specserve.common.settings import ServiceSettings
 from specserve.common.store import RequestStore
@@ -36,8 +36,6 @@ from specserve.local_cluster import free_port
 from specserve.verifier.admission import Admission
 from specserve.verifier.engine import Engine
 from specserve.verifier.runner import ModelRunner
-from specserve.verifier.sampling import SamplingParams
-from specserve.verifier.sequence import Sequence
 
 
 class TimedStore(RequestStore):
@@ -75,17 +73,7 @@ def run(flat: FlatModel, store: TimedStore, args, async_writes: bool, rep: int) 
         prompt = [(7 * i + k) % 1000 + 1 for k in range(args.prompt)]
         store.create(rid, {"prompt_ids": prompt, "max_tokens": args.tokens}, "interactive", 10**6)
         store.claim(rid, VID, int(time.time() * 1000))
-        seq = Sequence(
-            request_id=rid,
-            prompt_ids=prompt,
-            max_tokens=args.tokens,
-            params=SamplingParams(),
-            stop=[],
-            queue="interactive",
-            entry_id="0-0",
-            created_ms=0,
-            admitted_ms=int(time.time() * 1000),
-        )
+        seq = sequence(rid, prompt, args.tokens)
         engine.admit(seq, admission.admit(rid, "interactive", prompt))
     engine._take_new(block=False)
     engine.step()  # the prefill, not timed
@@ -170,12 +158,8 @@ def main() -> None:
         "writers": summary,
         "reps": reps,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"step_writes{'_tiny' if args.tiny else ''}{'_aof' if args.aof else ''}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {path}")
+    name = f"step_writes{'_tiny' if args.tiny else ''}{'_aof' if args.aof else ''}"
+    write_results(report, args.out, name, shown=summary)
 
 
 if __name__ == "__main__":

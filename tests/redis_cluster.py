@@ -6,13 +6,13 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 from redis.cluster import RedisCluster
 
+from helpers import wait_until
 from specserve.local_cluster import free_port
 
 NODE_TIMEOUT_MS = 1000  # how long a master is unreachable before its replica takes over
@@ -104,15 +104,15 @@ class RedisClusterNodes:
         return redis.Redis(port=port, decode_responses=True, socket_timeout=2)
 
     def _wait(self, check, what: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
+        """wait_until, with a node that does not answer yet taken as not ready."""
+
+        def answered() -> bool:
             try:
-                if check():
-                    return
+                return bool(check())
             except redis.RedisError:
-                pass
-            assert time.monotonic() < deadline, f"redis cluster: {what}: not within {timeout} s"
-            time.sleep(0.1)
+                return False
+
+        wait_until(answered, f"redis cluster: {what}", timeout)
 
     def roles(self) -> dict[int, str]:
         """Port -> master | slave, of the live nodes."""

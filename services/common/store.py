@@ -44,6 +44,7 @@ verifier that restarted under the same id, can no longer write to it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -73,10 +74,6 @@ RESULT_TTL_SECONDS = 3600
 CLUSTER_SHARDS = 16  # shards of the request keys on Redis Cluster (fixed: it names keys)
 
 
-def _shard_tag(shard: int) -> str:
-    return f"{{{shard}}}"
-
-
 class Layout:
     """Where each key lives.
 
@@ -94,7 +91,7 @@ class Layout:
         self._registry = f"{PREFIX}{{registry}}:" if cluster else PREFIX
 
     def _at(self, shard: int) -> str:
-        return f"{PREFIX}{_shard_tag(shard)}:" if self.cluster else PREFIX
+        return f"{PREFIX}{{{shard}}}:" if self.cluster else PREFIX
 
     def shard_of(self, rid: str) -> int:
         """The shard of a request: the same for every service and every process."""
@@ -472,7 +469,7 @@ class RequestStore:
     def ensure_queues(self) -> None:
         """Creates the queues and their consumer group, and the queued counters if missing
         (from the entries not yet delivered: a store written before the counters existed)."""
-        for shard, cls in self._queues():
+        for shard, cls in itertools.product(range(self.layout.shards), QUEUE_CLASSES):
             queue, queued = self.layout.queue(cls, shard), self.layout.queued(cls, shard)
             try:
                 self.r.xgroup_create(queue, GROUP, id="0", mkstream=True)
@@ -483,13 +480,13 @@ class RequestStore:
                 pending = int(self.r.xpending(queue, GROUP)["pending"])
                 self.r.set(queued, self.r.xlen(queue) - pending, nx=True)
 
-    def _queues(self) -> list[tuple[int, str]]:
-        """(shard, class) of every queue."""
-        return [(shard, cls) for shard in range(self.layout.shards) for cls in QUEUE_CLASSES]
-
-    def _at(self, rid: str) -> tuple[int, Layout]:
-        """The request's shard, and the layout (its keys)."""
-        return self.layout.shard_of(rid), self.layout
+    def _each_shard(self, command: Callable[[Any, int], Any]) -> list[Any]:
+        """`command(pipe, shard)` for every shard, in one round trip (per node); the replies
+        in shard order."""
+        pipe = self.r.pipeline(transaction=False)
+        for shard in range(self.layout.shards):
+            command(pipe, shard)
+        return pipe.execute()
 
     def _durable(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """Runs a script; with `wait_replicas`, then WAITs on the same connection (WAIT
@@ -525,7 +522,8 @@ class RequestStore:
     def create(self, rid: str, spec: dict[str, Any], cls: str, limit: int) -> tuple[int, int]:
         """Persists and queues a request. Returns (code, waiting): 0 created, 1 existed, 2 full.
         On Redis Cluster the limit holds per shard: `limit` / CLUSTER_SHARDS (rounded up)."""
-        shard, at = self._at(rid)
+        at = self.layout
+        shard = at.shard_of(rid)
         if self.layout.shards > 1:
             limit = -(-limit // self.layout.shards)
         code, waiting = self._durable(
@@ -545,11 +543,12 @@ class RequestStore:
         return self._read_group(cls, consumer, "0", count)
 
     def _read_group(self, cls: str, consumer: str, start: str, count: int) -> list[tuple[str, str]]:
-        out = []
-        for shard in range(self.layout.shards):
-            queue = self.layout.queue(cls, shard)
-            resp = self.r.xreadgroup(GROUP, consumer, {queue: start}, count=count)
-            out += [(eid, f["rid"]) for _, entries in resp for eid, f in entries if f]
+        replies = self._each_shard(
+            lambda pipe, shard: pipe.xreadgroup(
+                GROUP, consumer, {self.layout.queue(cls, shard): start}, count=count
+            )
+        )
+        out = [(eid, f["rid"]) for resp in replies for _, got in resp for eid, f in got if f]
         return sorted(out, key=_entry_order)
 
     def cancel(self, rid: str, final: dict[str, Any]) -> tuple[int, str]:
@@ -561,7 +560,8 @@ class RequestStore:
         return self._end(rid, final, status, flag_running=False)[0] == 1
 
     def _end(self, rid: str, final: dict, status: str, flag_running: bool) -> tuple[int, str]:
-        shard, at = self._at(rid)
+        at = self.layout
+        shard = at.shard_of(rid)
         state, owner = self._end_queued(
             keys=[
                 at.req(rid),
@@ -576,19 +576,18 @@ class RequestStore:
     def queued_before(self, cls: str, cutoff_ms: int, count: int) -> list[str]:
         """Request ids of the class's queue entries created before cutoff_ms (oldest first;
         entries of running requests are among them until they end)."""
-        entries = []
-        for shard in range(self.layout.shards):
-            queue = self.layout.queue(cls, shard)
-            entries += [
-                (eid, f.get("rid", ""))
-                for eid, f in self.r.xrange(queue, "-", cutoff_ms, count=count)
-            ]
+        replies = self._each_shard(
+            lambda pipe, shard: pipe.xrange(
+                self.layout.queue(cls, shard), "-", cutoff_ms, count=count
+            )
+        )
+        entries = [(eid, f.get("rid", "")) for reply in replies for eid, f in reply]
         return [rid for _, rid in sorted(entries, key=_entry_order)[:count] if rid]
 
     def waiting_count(self, cls: str) -> int:
         """Requests of the class queued and not yet running."""
-        keys = [self.layout.queued(cls, shard) for shard in range(self.layout.shards)]
-        return sum(int(self.r.get(key) or 0) for key in keys)
+        counts = self._each_shard(lambda pipe, shard: pipe.get(self.layout.queued(cls, shard)))
+        return sum(int(n or 0) for n in counts)
 
     def live_verifiers(self) -> list[dict[str, str]]:
         """Registered verifiers whose heartbeat has not expired."""
@@ -664,7 +663,8 @@ class RequestStore:
         """Moves a queued request to running on verifier `vid` in its `incarnation` (serving
         model `version` in `pool`), admitted at `at_ms`. Returns 1 if claimed, 0 if it is not
         queued, 2 if it generated tokens on another model version (it must finish there)."""
-        shard, at = self._at(rid)
+        at = self.layout
+        shard = at.shard_of(rid)
         keys = [at.req(rid), at.owned(vid, shard), at.owners(shard)]
         return int(
             self._claim(
@@ -691,7 +691,8 @@ class RequestStore:
         of it: not one made since."""
         fence = ["*" if incarnation is None else incarnation]
         fence.append("*" if admitted_ms is None else str(admitted_ms))
-        shard, at = self._at(rid)
+        at = self.layout
+        shard = at.shard_of(rid)
         keys = [at.req(rid), at.owned(vid, shard)]
         for key in (at.queue, at.queued, at.requeued):
             keys += at.per_class(key, shard)
@@ -700,10 +701,10 @@ class RequestStore:
     def take_requeued(self, cls: str, count: int = 100) -> list[tuple[str, str]]:
         """Queue entries (entry_id, rid) of the class's requeued requests, oldest first,
         removed from the list."""
-        entries = []
-        for shard in range(self.layout.shards):
-            items = self.r.lpop(self.layout.requeued(cls, shard), count) or []
-            entries += [tuple(item.split(" ", 1)) for item in items]
+        replies = self._each_shard(
+            lambda pipe, shard: pipe.lpop(self.layout.requeued(cls, shard), count)
+        )
+        entries = [tuple(item.split(" ", 1)) for items in replies for item in items or []]
         return sorted(entries, key=_entry_order)
 
     def owned(self, vid: str) -> list[str]:
@@ -736,8 +737,8 @@ class RequestStore:
 
     def owners(self) -> list[str]:
         """Verifiers that may own running requests (registered or not)."""
-        keys = [self.layout.owners(shard) for shard in range(self.layout.shards)]
-        return sorted(set().union(*(self.r.smembers(key) for key in keys)))
+        sets = self._each_shard(lambda pipe, shard: pipe.smembers(self.layout.owners(shard)))
+        return sorted(set().union(*sets))
 
     def claims(self, vids: list[str]) -> list[Claim]:
         """The requests running on each of `vids`, as their records say (two round trips;
@@ -878,7 +879,8 @@ class RequestStore:
         """Ends a request running on `vid` in its `incarnation`: final stream entry, status,
         queue entry acked and deleted; with `session_id`, the session's next turn is to go to
         `vid`. False if `vid` (in that incarnation) no longer owns the request."""
-        shard, at = self._at(rid)
+        at = self.layout
+        shard = at.shard_of(rid)
         done = self._durable(
             self._finish,
             [at.req(rid), at.out(rid), at.queue(queue, shard), at.owned(vid, shard)],
