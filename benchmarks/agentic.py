@@ -145,7 +145,7 @@ def main() -> None:
             cluster.start(timeout=600, services=("scheduler", "verifier", "gateway"))
             ran = start_drafter(cluster, drafter, drafter_port)
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 warm = generation_pb2.GenerateRequest(max_tokens=WARM_UP[1])
                 warm.messages.messages.add(role="user", content=WARM_UP[0])
                 list(stub.Generate(warm, timeout=600))  # connects the drafter; learns nothing

@@ -212,7 +212,7 @@ def main() -> None:
         cluster = LocalCluster(without_security(config), Path(tmp)).start(timeout=900)
         try:
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 for mode in MODES:  # warm up: connect the drafter, start the cost model
                     one_request(stub, make_request("Say hi.", 8, mode, False), {})
                 for rate in rates:

@@ -52,7 +52,7 @@ class Reader:
     def run(self, address: str, give_up_s: float) -> None:
         deadline = time.monotonic() + give_up_s
         with grpc.insecure_channel(address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             while time.monotonic() < deadline and self.final is None:
                 if self.arrivals or self.reattached:
                     req = generation_pb2.GenerateRequest(

@@ -51,7 +51,7 @@ def cluster_rate(args) -> dict:
             cluster.start(timeout=600)
             ready_s = time.monotonic() - started
             with grpc.insecure_channel(cluster.procs["gateway"].address) as ch:
-                stub = generation_pb2_grpc.GenerationStub(ch)
+                stub = generation_pb2_grpc.GenerationServiceStub(ch)
                 req = generation_pb2.GenerateRequest(max_tokens=args.tokens)
                 req.messages.messages.add(role="user", content=PROMPT)
                 ids, final = [], None

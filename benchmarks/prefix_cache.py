@@ -94,7 +94,7 @@ def run(args, prefix_cache: bool) -> list[list[dict]]:
         )
         try:
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 ask(stub, "Be brief.", "Say hi.", 4)  # warm up
                 for r in range(args.rounds):
                     system = system_prompt(r + 1 + 100 * prefix_cache)

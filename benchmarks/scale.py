@@ -86,7 +86,7 @@ async def client(address: str, rids: list[str], args, out) -> None:
 
     async def one(i: int, rid: str) -> None:
         nonlocal opened
-        stub = generation_pb2_grpc.GenerationStub(channels[i // 100])
+        stub = generation_pb2_grpc.GenerationServiceStub(channels[i // 100])
         counted = False
         while True:  # a stream that breaks is re-attached from its next index, as clients do
             req = generation_pb2.GenerateRequest(request_id=rid, resume_from=len(arrived[rid]))

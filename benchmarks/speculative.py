@@ -176,7 +176,7 @@ def run_cluster(args) -> dict[str, dict[str, dict]]:
         try:
             cluster.start(timeout=600, services=("scheduler", "verifier", "gateway"))
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 for template, (drafter, tree_size) in CONFIGS.items():
                     asked = SHORT[(drafter or {}).get("dtype", args.dtype)]
                     if not wanted(template.format(dtype=asked), args):

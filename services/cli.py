@@ -201,7 +201,7 @@ def _rollout(args: argparse.Namespace) -> int:
             with tls.channel(address) as channel:
                 results = rollout.probe(
                     store,
-                    scheduler_pb2_grpc.SchedulerStub(channel),
+                    scheduler_pb2_grpc.SchedulerServiceStub(channel),
                     tokenizer.encode,
                     max_tokens=args.max_tokens,
                 )

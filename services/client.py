@@ -38,7 +38,7 @@ def generate_to_terminal(args: argparse.Namespace) -> int:
     else:
         channel = grpc.insecure_channel(args.address)
     with channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         try:
             metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
             for chunk in stub.Generate(

@@ -332,8 +332,8 @@ def serves(channel, timeout: float) -> str:
     from .v1 import verifier_pb2, verifier_pb2_grpc
 
     try:
-        st = verifier_pb2_grpc.VerifierStub(channel).Status(
-            verifier_pb2.VerifierStatusRequest(), timeout=timeout
+        st = verifier_pb2_grpc.VerifierServiceStub(channel).Status(
+            verifier_pb2.StatusRequest(), timeout=timeout
         )
     except grpc.RpcError as e:
         return f"; status: {e.code().name}"

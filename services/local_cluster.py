@@ -23,7 +23,7 @@ from .supervisor import RestartPolicy, Supervisor, log_to, supervise
 
 START_ORDER = ("scheduler", "drafter", "verifier", "gateway")
 REDIS = "redis"  # the private redis-server, as a member of the cluster
-READY = re.compile(r"SPECSERVE_READY \w+ (\d+)(?: metrics (\d+))?")
+READY = re.compile(r"SPECSERVE_READY \w+ (\d+)(?: metrics (\d+))?(?: http (\d+))?")
 
 
 def without_security(config: dict[str, Any]) -> dict[str, Any]:
@@ -52,6 +52,7 @@ class Proc:
     log_path: Path
     port: int = 0
     metrics_port: int | None = None
+    http_port: int | None = None  # a gateway's OpenAI-compatible HTTP API
     service: str = ""  # gateway, scheduler, verifier or drafter
     env: dict[str, str] = field(default_factory=dict)  # what it was started with, to restart it
     log_offset: int = 0  # where this start's lines begin in the log (restarts append)
@@ -77,6 +78,7 @@ class Proc:
         if m:
             self.port = int(m.group(1))
             self.metrics_port = int(m.group(2)) if m.group(2) else None
+            self.http_port = int(m.group(3)) if m.group(3) else None
         return m is not None
 
 
@@ -263,7 +265,10 @@ class LocalCluster:
                 pass  # it exited again: the supervisor sees that
             return
         proc = self.procs[key]
-        self.start_service(proc.service, proc.env, proc.port, instance=key, wait=False)
+        env = dict(proc.env)
+        if proc.http_port:  # (the HTTP API comes back on its port too)
+            env["SPECSERVE_GATEWAY_HTTP_PORT"] = str(proc.http_port)
+        self.start_service(proc.service, env, proc.port, instance=key, wait=False)
 
     def kill(self, key: str, sig: int = signal.SIGKILL) -> int:
         """Signals a service and waits for it to exit; returns its exit code."""
@@ -386,7 +391,7 @@ def print_usage(cluster: LocalCluster, ca: Path | str | None, took: float) -> No
         'reverses a string."\n'
         f"  or: grpcurl {flags}"
         f'-d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\' '
-        f"{gateway} specserve.v1.Generation/Generate\n"
+        f"{gateway} specserve.v1.GenerationService/Generate\n"
         "A member that dies is restarted on its port; Ctrl-C stops everything.",
         flush=True,
     )

@@ -111,7 +111,7 @@ def cluster_config(model_dir: Path | None, **sections) -> dict:
     model = {"path": str(model_dir)} if model_dir else {}
     config = {
         "common": {"log_level": "INFO", "heartbeat_seconds": 0.5, "drain_seconds": 1},
-        "gateway": {"model": model, "max_seq_len": 2048, "max_tokens_limit": 1024},
+        "gateway": {"model": model, "max_seq_len": 2048, "max_tokens_limit": 1024, "http_port": 0},
         "scheduler": {},
         "verifier": {
             "model": model,
@@ -143,5 +143,5 @@ def tiny_cluster(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="session")
 def gateway(tiny_cluster):
     channel = grpc.insecure_channel(tiny_cluster.procs["gateway"].address)
-    yield generation_pb2_grpc.GenerationStub(channel)
+    yield generation_pb2_grpc.GenerationServiceStub(channel)
     channel.close()

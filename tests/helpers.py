@@ -124,7 +124,7 @@ class Client:
         deadline = time.monotonic() + give_up_s
         submit = True  # until a try may have reached the queue, and again after NOT_FOUND
         with grpc.insecure_channel(address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             while time.monotonic() < deadline:
                 if not submit:
                     req = generation_pb2.GenerateRequest(

@@ -244,7 +244,7 @@ def test_sigterm_drains_a_verifier_with_no_failed_request(chaos, store, expected
 
 def verifier_stubs(cluster):
     return [
-        verifier_pb2_grpc.VerifierStub(grpc.insecure_channel(p.address))
+        verifier_pb2_grpc.VerifierServiceStub(grpc.insecure_channel(p.address))
         for k, p in cluster.procs.items()
         if k.startswith("verifier")
     ]
@@ -252,10 +252,10 @@ def verifier_stubs(cluster):
 
 def wait_until_gone(stubs, rid: str, timeout: float = 10) -> int:
     """Waits until no verifier runs `rid`; returns the steps the verifiers took meanwhile."""
-    before = sum(s.Status(verifier_pb2.VerifierStatusRequest(), timeout=5).steps for s in stubs)
+    before = sum(s.Status(verifier_pb2.StatusRequest(), timeout=5).steps for s in stubs)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status = [s.Status(verifier_pb2.VerifierStatusRequest(), timeout=5) for s in stubs]
+        status = [s.Status(verifier_pb2.StatusRequest(), timeout=5) for s in stubs]
         if all(rid not in st.request_ids for st in status):
             return sum(st.steps for st in status) - before
         time.sleep(0.005)
@@ -265,7 +265,7 @@ def wait_until_gone(stubs, rid: str, timeout: float = 10) -> int:
 def test_cancel_frees_the_slot_within_a_step_or_two(chaos, tokenizer):
     stubs = verifier_stubs(chaos)
     with grpc.insecure_channel(chaos.procs["gateway"].address) as channel:
-        gateway = generation_pb2_grpc.GenerationStub(channel)
+        gateway = generation_pb2_grpc.GenerationServiceStub(channel)
         req = request(prompt_ids=tokenizer(PROMPTS[0]).input_ids, max_tokens=1000)
         req.request_id = "chaos-cancel"
         stream = gateway.Generate(req, timeout=60)
@@ -293,7 +293,7 @@ def test_a_passed_deadline_stops_the_work_and_reports_deadline_exceeded(chaos, s
     ids = tokenizer(PROMPTS[1]).input_ids
     # The client's own deadline: it gets DEADLINE_EXCEEDED and the work stops.
     with grpc.insecure_channel(chaos.procs["gateway"].address) as channel:
-        gateway = generation_pb2_grpc.GenerationStub(channel)
+        gateway = generation_pb2_grpc.GenerationServiceStub(channel)
         req = request(prompt_ids=ids, max_tokens=1000)
         req.request_id = "chaos-client-deadline"
         with pytest.raises(grpc.RpcError) as err:
@@ -304,7 +304,7 @@ def test_a_passed_deadline_stops_the_work_and_reports_deadline_exceeded(chaos, s
     # The deadline travels with the request: the verifier ends it by itself when it passes,
     # and whoever re-attaches is told DEADLINE_EXCEEDED.
     with grpc.insecure_channel(chaos.procs["scheduler"].address) as channel:
-        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        scheduler = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         scheduler.Submit(
             scheduler_pb2.SubmitRequest(
                 request_id="chaos-deadline",
@@ -319,7 +319,7 @@ def test_a_passed_deadline_stops_the_work_and_reports_deadline_exceeded(chaos, s
     assert rec.status == "expired" and 0 < rec.generated < 1000
     wait_until_gone(verifier_stubs(chaos), "chaos-deadline", timeout=1)
     with grpc.insecure_channel(chaos.procs["gateway"].address) as channel:
-        gateway = generation_pb2_grpc.GenerationStub(channel)
+        gateway = generation_pb2_grpc.GenerationServiceStub(channel)
         with pytest.raises(grpc.RpcError) as err:
             list(
                 gateway.Generate(

@@ -28,7 +28,7 @@ def test_default_pair_greedy_matches_hf_with_speculation_on_and_off(tmp_path, to
     try:
         cluster.start(timeout=300)
         with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
             assert info.sha256 == models.CATALOG[(info.name, info.version)].sha256
             results = {}
@@ -85,7 +85,7 @@ def test_the_default_target_over_two_ranks_matches_hf(tmp_path, tokenizer):
     try:
         cluster.start(timeout=300)
         with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             with cf.ThreadPoolExecutor(2) as pool:
                 results = list(
                     pool.map(

@@ -154,7 +154,7 @@ def test_a_drafter_restarted_at_its_address_drafts_again_at_once(
         store = RequestStore.from_url(cluster.redis_url)
         ids = tokenizer("def fibonacci(n):").input_ids
         with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             port = cluster.procs["drafter"].port
             (first,) = store.live("drafter")
             cluster.kill("drafter")

@@ -63,7 +63,7 @@ def test_invalid_utf8_is_invalid_argument(tiny_cluster):
     lenient.max_tokens = 4
     channel = grpc.insecure_channel(tiny_cluster.procs["gateway"].address)
     call = channel.unary_stream(
-        "/specserve.v1.Generation/Generate",
+        "/specserve.v1.GenerationService/Generate",
         request_serializer=lambda b: b,
         response_deserializer=generation_pb2.GenerateResponse.FromString,
     )
@@ -74,10 +74,10 @@ def test_invalid_utf8_is_invalid_argument(tiny_cluster):
     channel.close()
 
 
-def _verifier_status(cluster) -> verifier_pb2.VerifierStatus:
+def _verifier_status(cluster) -> verifier_pb2.StatusResponse:
     with grpc.insecure_channel(cluster.procs["verifier"].address) as ch:
-        return verifier_pb2_grpc.VerifierStub(ch).Status(
-            verifier_pb2.VerifierStatusRequest(), timeout=5
+        return verifier_pb2_grpc.VerifierServiceStub(ch).Status(
+            verifier_pb2.StatusRequest(), timeout=5
         )
 
 

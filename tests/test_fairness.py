@@ -54,13 +54,13 @@ def first_token(gateway, key: str, verifier) -> tuple[float, int]:
     """A normal client's request, read to the end: its time to first token as the cluster
     measured it (from its submission, in seconds), and the verifier's steps from the call to
     the first token."""
-    steps = verifier.Status(verifier_pb2.VerifierStatusRequest(), timeout=5).steps
+    steps = verifier.Status(verifier_pb2.StatusRequest(), timeout=5).steps
     call = gateway.Generate(
         request(prompt="def f():", max_tokens=4), timeout=60, metadata=auth(key)
     )
     chunks = iter(call)
     assert next(chunks).token_ids
-    steps = verifier.Status(verifier_pb2.VerifierStatusRequest(), timeout=5).steps - steps
+    steps = verifier.Status(verifier_pb2.StatusRequest(), timeout=5).steps - steps
     final = list(chunks)[-1].final
     assert final.usage.completion_tokens == 4
     return final.timings.ttft_ms / 1e3, steps
@@ -73,15 +73,15 @@ def test_a_tenant_hoarding_unread_streams_neither_blocks_another_nor_runs_on(clu
         "hoarder", "standard", Tier(concurrent_streams=64, requests_per_minute=600)
     )
     bystander = keys.create("bystander", "standard", DEFAULT_TIERS["standard"])
-    verifier = verifier_pb2_grpc.VerifierStub(
+    verifier = verifier_pb2_grpc.VerifierServiceStub(
         grpc.insecure_channel(cluster.procs["verifier"].address)
     )
-    gateway = generation_pb2_grpc.GenerationStub(
+    gateway = generation_pb2_grpc.GenerationServiceStub(
         grpc.insecure_channel(cluster.procs["gateway"].address)
     )
 
     def status():
-        return verifier.Status(verifier_pb2.VerifierStatusRequest(), timeout=5)
+        return verifier.Status(verifier_pb2.StatusRequest(), timeout=5)
 
     def hoarders_running() -> list[str]:
         ids = [rid for rid in status().request_ids if rid.startswith("hoarder:")]
@@ -91,7 +91,7 @@ def test_a_tenant_hoarding_unread_streams_neither_blocks_another_nor_runs_on(clu
     idle = [first_token(gateway, bystander, verifier) for _ in range(5)]
     stalled = grpc.insecure_channel(cluster.procs["gateway"].address, options=STALLED_CLIENT)
     hoarding = [
-        generation_pb2_grpc.GenerationStub(stalled).Generate(
+        generation_pb2_grpc.GenerationServiceStub(stalled).Generate(
             request(prompt=f"def hoard_{i}():", max_tokens=1000, request_id=f"h{i}"),
             timeout=120,
             metadata=auth(hoarder),

@@ -121,7 +121,7 @@ def test_random_requests_get_clean_statuses(gateway, req):
 def test_random_bytes_get_clean_statuses(tiny_cluster, raw):
     with grpc.insecure_channel(tiny_cluster.procs["gateway"].address) as channel:
         method = channel.unary_stream(
-            "/specserve.v1.Generation/Generate",
+            "/specserve.v1.GenerationService/Generate",
             request_serializer=lambda b: b,
             response_deserializer=generation_pb2.GenerateResponse.FromString,
         )

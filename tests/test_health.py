@@ -11,10 +11,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 SERVICES = {
-    "gateway": "specserve.v1.Generation",
-    "scheduler": "specserve.v1.Scheduler",
-    "verifier": "specserve.v1.Verifier",
-    "drafter": "specserve.v1.Drafter",
+    "gateway": "specserve.v1.GenerationService",
+    "scheduler": "specserve.v1.SchedulerService",
+    "verifier": "specserve.v1.VerifierService",
+    "drafter": "specserve.v1.DrafterService",
 }
 
 

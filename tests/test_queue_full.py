@@ -24,7 +24,7 @@ def without_verifiers(tmp_path, model_dir, **scheduler):
     try:
         cluster.start(timeout=120, services=("scheduler", "gateway"))
         with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-            yield cluster, generation_pb2_grpc.GenerationStub(channel)
+            yield cluster, generation_pb2_grpc.GenerationServiceStub(channel)
     finally:
         cluster.stop()
 

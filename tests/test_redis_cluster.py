@@ -211,7 +211,7 @@ def test_the_cluster_serves_on_redis_cluster_through_a_master_failover(on_cluste
     keys = KeyStore(store.r)
     key = keys.create("acme", "standard", Tier(requests_per_minute=1000, concurrent_streams=8))
     capped = keys.create("tiny", "standard", Tier(requests_per_minute=1))
-    stub = generation_pb2_grpc.GenerationStub(
+    stub = generation_pb2_grpc.GenerationServiceStub(
         grpc.insecure_channel(on_cluster.procs["gateway"].address)
     )
     auth = (("authorization", f"Bearer {key}"),)
@@ -304,7 +304,7 @@ def test_the_cluster_serves_on_redis_cluster_through_a_master_failover(on_cluste
         if nodes.replica_of(nodes.master_of(store.layout.req(f"unreplicated{i}")))
     )
     replica = nodes.replica_of(nodes.master_of(store.layout.req(rid)))
-    scheduler = scheduler_pb2_grpc.SchedulerStub(
+    scheduler = scheduler_pb2_grpc.SchedulerServiceStub(
         grpc.insecure_channel(on_cluster.procs["scheduler"].address)
     )
     submit = scheduler_pb2.SubmitRequest(

@@ -52,7 +52,7 @@ def test_a_client_resumes_on_a_new_gateway_after_its_gateway_dies(
     try:
         ids = tokenizer("def fibonacci(n):").input_ids
         with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             req = request(prompt_ids=ids, max_tokens=800, request_id="survives-gateway")
             stream = stub.Generate(req, timeout=120)
             received = [next(stream)]
@@ -67,7 +67,9 @@ def test_a_client_resumes_on_a_new_gateway_after_its_gateway_dies(
         )
         cluster.wait_ready("gateway", 120)
         with grpc.insecure_channel(gateway.address) as channel:
-            rest = resume(generation_pb2_grpc.GenerationStub(channel), "survives-gateway", len(got))
+            rest = resume(
+                generation_pb2_grpc.GenerationServiceStub(channel), "survives-gateway", len(got)
+            )
         assert rest.chunks[0].first_index == len(got) or not rest.ids
         assert got + rest.ids == hf_greedy(tiny_model, ids, 800)
         assert rest.final.usage.completion_tokens == 800

@@ -164,7 +164,7 @@ def store(pools):
 @pytest.fixture(scope="module")
 def stub(pools):
     with grpc.insecure_channel(pools.procs["gateway"].address) as channel:
-        yield generation_pb2_grpc.GenerationStub(channel)
+        yield generation_pb2_grpc.GenerationServiceStub(channel)
 
 
 def versions_by_pool(stub) -> dict[str, str]:
@@ -265,7 +265,7 @@ def test_probes_compare_the_pools_greedy_outputs(pools, store):
     tokenizer = models.load_tokenizer(pools.config["gateway"]["model"]["path"])
     with grpc.insecure_channel(pools.procs["scheduler"].address) as channel:
         results = rollout.probe(
-            store, scheduler_pb2_grpc.SchedulerStub(channel), tokenizer.encode, max_tokens=8
+            store, scheduler_pb2_grpc.SchedulerServiceStub(channel), tokenizer.encode, max_tokens=8
         )
     assert len(results) == len(rollout.PROBES)
     assert all(len(r.outputs[STABLE]) == len(r.outputs[CANARY]) == 8 for r in results)

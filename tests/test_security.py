@@ -57,7 +57,7 @@ def keys(secure):
 
 def stub(cluster, gateway: str = "gateway"):
     channel = grpc.insecure_channel(cluster.procs[gateway].address)
-    return generation_pb2_grpc.GenerationStub(channel)
+    return generation_pb2_grpc.GenerationServiceStub(channel)
 
 
 def auth(key: str) -> list[tuple[str, str]]:
@@ -278,7 +278,7 @@ def test_the_gateway_speaks_tls_and_internal_services_mtls(tls_cluster, certs, t
     )
     with grpc.secure_channel(gateway, grpc.ssl_channel_credentials(ca)) as channel:
         out = list(
-            generation_pb2_grpc.GenerationStub(channel).Generate(
+            generation_pb2_grpc.GenerationServiceStub(channel).Generate(
                 request(prompt="def f():", max_tokens=3), timeout=60
             )
         )  # gateway -> scheduler -> verifier all went over mTLS for this

@@ -41,7 +41,7 @@ def cluster_of(tmp_path, tiny_model_dir, tiny_draft_dir):
 
     def start(
         services=None, speculative: bool = False, **sections
-    ) -> tuple[LocalCluster, generation_pb2_grpc.GenerationStub]:
+    ) -> tuple[LocalCluster, generation_pb2_grpc.GenerationServiceStub]:
         config = cluster_config(tiny_model_dir, **sections)
         if speculative:
             config["verifier"].update(
@@ -53,7 +53,7 @@ def cluster_of(tmp_path, tiny_model_dir, tiny_draft_dir):
         cluster.start(timeout=180, **({"services": services} if services else {}))
         channel = grpc.insecure_channel(cluster.procs["gateway"].address)
         cluster.channels = [channel]
-        return cluster, generation_pb2_grpc.GenerationStub(channel)
+        return cluster, generation_pb2_grpc.GenerationServiceStub(channel)
 
     yield start
     for cluster in started:
@@ -62,10 +62,10 @@ def cluster_of(tmp_path, tiny_model_dir, tiny_draft_dir):
         cluster.stop()
 
 
-def verifier_status(cluster, key: str = "verifier") -> verifier_pb2.VerifierStatus:
+def verifier_status(cluster, key: str = "verifier") -> verifier_pb2.StatusResponse:
     with grpc.insecure_channel(cluster.procs[key].address) as channel:
-        return verifier_pb2_grpc.VerifierStub(channel).Status(
-            verifier_pb2.VerifierStatusRequest(), timeout=10
+        return verifier_pb2_grpc.VerifierServiceStub(channel).Status(
+            verifier_pb2.StatusRequest(), timeout=10
         )
 
 
@@ -163,7 +163,7 @@ def test_a_flood_runs_in_a_tight_kv_pool_and_what_can_never_fit_is_rejected(clus
     # Past the gateway (straight to the scheduler): it fails at once instead of blocking
     # the requests queued behind it.
     with grpc.insecure_channel(cluster.procs["scheduler"].address) as channel:
-        scheduler_pb2_grpc.SchedulerStub(channel).Submit(
+        scheduler_pb2_grpc.SchedulerServiceStub(channel).Submit(
             scheduler_pb2.SubmitRequest(
                 request_id="too-big",
                 prompt_ids=ids,

@@ -37,7 +37,7 @@ def stub_of():
 
     def make(cluster):
         channels.append(grpc.insecure_channel(cluster.procs["gateway"].address))
-        return generation_pb2_grpc.GenerationStub(channels[-1])
+        return generation_pb2_grpc.GenerationServiceStub(channels[-1])
 
     yield make
     for channel in channels:

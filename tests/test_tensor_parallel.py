@@ -269,7 +269,7 @@ def test_greedy_over_two_ranks_equals_the_targets_own_output(
     cluster = tp_cluster(tmp_path, tiny_model_dir, batch_size=4, kv_budget_tokens=budget)
     try:
         channel = grpc.insecure_channel(cluster.procs["gateway"].address)
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         with cf.ThreadPoolExecutor(len(jobs)) as pool:
             results = list(
                 pool.map(lambda ids: generate(stub, request(prompt_ids=ids, max_tokens=48)), jobs)

@@ -72,7 +72,7 @@ def attribute_values(span) -> list[str]:
 def test_one_request_is_one_trace_across_all_four_services(traced):
     cluster, collector = traced
     with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         generate(stub, request(prompt=PROMPT, max_tokens=8, request_id="traced-1"))
 
     def whole_trace():
@@ -182,7 +182,9 @@ def metrics_listing(port: int, names: list[str], timeout: float = 10) -> dict[st
 def test_each_service_lists_its_metrics(traced):
     cluster, _ = traced
     with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
-        generate(generation_pb2_grpc.GenerationStub(channel), request(prompt="x", max_tokens=4))
+        generate(
+            generation_pb2_grpc.GenerationServiceStub(channel), request(prompt="x", max_tokens=4)
+        )
     for service, names in EXPECTED.items():
         page = metrics_listing(cluster.procs[service].metrics_port, names)
         assert page["process_resident_memory_bytes"] > 0, service

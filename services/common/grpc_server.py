@@ -56,6 +56,8 @@ class _Serving:
 
     def __init__(self, service_names: Iterable[str]):
         self.service_names = list(service_names)
+        self.serving = False  # as health reports it
+        self.ports: dict[str, int] = {}  # more ports it serves, by name (for its ready line)
         self.stopped = threading.Event()
         self.failure: str | None = None  # why the server stopped itself (fail), if it did
 
@@ -114,7 +116,7 @@ class Server(_Serving):
     """A gRPC server with grpc.health.v1 and reflection for the given services, on TLS as
     `tls` was configured (mTLS, or server-only TLS when `public`).
 
-    `service_names` are full proto names (e.g. "specserve.v1.Generation"); health reports
+    `service_names` are full proto names (e.g. "specserve.v1.GenerationService"); health reports
     each of them and "" (the whole server). Readiness is set with `set_serving`.
     """
 
@@ -144,6 +146,7 @@ class Server(_Serving):
         self.set_serving(False)
 
     def set_serving(self, serving: bool) -> None:
+        self.serving = serving
         for name in ["", *self.service_names]:
             self.health.set(name, _status(serving))
 
@@ -168,6 +171,8 @@ class AioServer(_Serving):
         public: bool = False,
     ):
         super().__init__(service_names)
+        # Drains run beside the gRPC server's on a stop, with the same grace period.
+        self.drains: list[Callable[[float], Coroutine[Any, Any, None]]] = []
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True).start()
 
@@ -191,6 +196,8 @@ class AioServer(_Serving):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def set_serving(self, serving: bool) -> None:
+        self.serving = serving
+
         async def set_all() -> None:
             for name in ["", *self.service_names]:
                 await self.health.set(name, _status(serving))
@@ -201,7 +208,12 @@ class AioServer(_Serving):
         self.run(self.grpc.start())
 
     def _stop_grpc(self, drain_seconds: float) -> None:
-        self.run(self.grpc.stop(drain_seconds))
+        async def stop_all() -> None:
+            await asyncio.gather(
+                self.grpc.stop(drain_seconds), *(drain(drain_seconds) for drain in self.drains)
+            )
+
+        self.run(stop_all())
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 

@@ -31,7 +31,8 @@ def run_service(name: str, config_path: str | None, port: int | None = None) -> 
         print(f"{name} failed to start: {e}", file=sys.stderr)
         return 1
     # The bound ports, on a line of their own, for whoever started us with port 0.
-    print(f"SPECSERVE_READY {name} {server.port}{metrics}", flush=True)
+    more = "".join(f" {kind} {port}" for kind, port in server.ports.items())
+    print(f"SPECSERVE_READY {name} {server.port}{metrics}{more}", flush=True)
     server.run_until_signal(settings.drain_seconds, on_stop)
     telemetry.shutdown()
     if server.failure:

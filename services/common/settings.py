@@ -226,6 +226,21 @@ class GatewaySettings(ServiceSettings):
     audit_max_entries: int = Field(
         default=100_000, gt=0, description="Length the Redis audit stream is trimmed to."
     )
+    http_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Port of the OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models); unset = none; 0 = any free port.",
+    )
+    http_model_aliases: list[str] = Field(
+        default=[],
+        description="More names the HTTP API accepts in `model` for the served model (as "
+        "`--served-model-name` does in vLLM), e.g. for clients with a model name built in.",
+    )
+    http_max_body_bytes: int = Field(
+        default=4 * 1024 * 1024, gt=0, description="Largest HTTP request body (413 above)."
+    )
 
 
 class SchedulerSettings(ServiceSettings):

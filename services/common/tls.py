@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ class Credentials:
     cert: bytes
     key: bytes
     server_name: str
+    cert_file: str  # (the HTTP server's ssl module loads the pair from files)
+    key_file: str
 
 
 _creds: Credentials | None = None  # None: plaintext
@@ -62,7 +65,9 @@ def configure(settings: ServiceSettings) -> None:
         ca, cert, key = (Path(path).read_bytes() for path in files.values())
     except OSError as e:
         raise ConfigError(f"cannot read {e.filename}: {e.strerror}") from None
-    _creds = Credentials(ca, cert, key, settings.tls_server_name)
+    _creds = Credentials(
+        ca, cert, key, settings.tls_server_name, settings.tls_cert_file, settings.tls_key_file
+    )
 
 
 def add_port(server: grpc.Server, address: str, public: bool) -> int:
@@ -76,6 +81,17 @@ def add_port(server: grpc.Server, address: str, public: bool) -> int:
         require_client_auth=not public,
     )
     return server.add_secure_port(address, credentials)
+
+
+def http_context() -> ssl.SSLContext | None:
+    """TLS for the gateway's public HTTP port, as `add_port` serves the public gRPC port (no
+    client certificate asked); None when insecure."""
+    if _creds is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(_creds.cert_file, _creds.key_file)
+    return context
 
 
 def channel(address: str, options: list[tuple[str, object]] | None = None) -> grpc.Channel:

@@ -31,7 +31,7 @@ class _Held:
     prompt_len: int = 0
 
 
-class DrafterService(drafter_pb2_grpc.DrafterServicer):
+class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
     def __init__(self, proposer: Proposer, run_ahead: bool = False):
         self.proposer = proposer
         self.run_ahead = run_ahead
@@ -64,10 +64,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             self.proposer.forget(delta.sequence_id)
 
     def answer(
-        self, request: drafter_pb2.DraftRequest, held, ahead: RunAhead | None = None
-    ) -> tuple[drafter_pb2.DraftResponse, list[tuple[DraftJob, DraftTree]]]:
+        self, request: drafter_pb2.SpeculateRequest, held, ahead: RunAhead | None = None
+    ) -> tuple[drafter_pb2.SpeculateResponse, list[tuple[DraftJob, DraftTree]]]:
         """The step's trees, and each job with the tree it got (for drafting ahead)."""
-        response = drafter_pb2.DraftResponse(step=request.step)
+        response = drafter_pb2.SpeculateResponse(step=request.step)
         jobs, ready = [], {}
         for delta in request.sequences:
             sid = delta.sequence_id
@@ -131,10 +131,12 @@ def build(settings: DrafterSettings):
     store = RequestStore.connect(settings)
     store.wait_reachable()
     server = Server(
-        settings.host, settings.port, [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
+        settings.host,
+        settings.port,
+        [drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name],
     )
     service = DrafterService(proposer, settings.run_ahead)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(service, server.grpc)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(service, server.grpc)
     server.start()
     # Registered, verifiers find this drafter without a restart; gone, they move its sequences.
     # `started_ms` tells them a drafter came back (a new process at the same address).

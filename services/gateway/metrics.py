@@ -35,3 +35,8 @@ ACCEPTED = Counter(
     ["pool"],
 )
 OPEN_STREAMS = Gauge("specserve_gateway_open_streams", "Generate streams open now.")
+HTTP_RESPONSES = Counter(
+    "specserve_gateway_http_responses_total",
+    "Responses of the OpenAI-compatible HTTP API, by route and HTTP status.",
+    ["route", "code"],
+)

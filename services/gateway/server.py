@@ -24,6 +24,7 @@ from ..common.store import RequestStore
 from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from . import metrics
 from .audit import Audit, Call
+from .http_server import OpenAIHttp
 from .keys import ANONYMOUS, AuthError, KeyStore, Principal, QuotaExceeded, stream_id
 from .tails import Tails
 from .text import IncrementalDetokenizer, StopTrimmer
@@ -67,7 +68,7 @@ def _deserialize(raw: bytes):
         return _BadBytes(field or "request")
 
 
-class GenerationService(generation_pb2_grpc.GenerationServicer):
+class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
     """The public API, as coroutines on the server's event loop: an open stream holds no
     thread. Its output comes from `Tails` (a few blocking reads for every open stream); the
     scheduler is called on grpc.aio; Redis commands and tokenizing run on a bounded pool of
@@ -78,7 +79,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         settings: GatewaySettings,
         tokenizer,
         store: RequestStore,
-        scheduler: scheduler_pb2_grpc.SchedulerStub,
+        scheduler: scheduler_pb2_grpc.SchedulerServiceStub,
         manifest: dict,
         loop: asyncio.AbstractEventLoop,
     ):
@@ -124,7 +125,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{request.field}: is not valid UTF-8 (or the message is malformed)",
             )
-        call.who = await self._authenticate(context)
+        call.who = await self.authenticate(context)
         if request.HasField("resume_from"):
             async for chunk in self._resume(request, context, call):
                 yield chunk
@@ -173,7 +174,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             yield chunk
 
     # --- who is calling, and what they may do -------------------------------------------------
-    async def _authenticate(self, context) -> Principal:
+    async def authenticate(self, context) -> Principal:
         """The caller from its `authorization: Bearer <key>`; UNAUTHENTICATED without one."""
         if self.settings.auth == "off":
             return ANONYMOUS
@@ -488,7 +489,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _cancel_quietly(self, rid: str) -> None:
         try:
             await self.scheduler.Cancel(
-                scheduler_pb2.SchedulerCancelRequest(request_id=rid),
+                scheduler_pb2.SchedulerServiceCancelRequest(request_id=rid),
                 timeout=self.settings.timeout_seconds,
                 wait_for_ready=True,
             )
@@ -499,14 +500,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # --- Cancel, GetModelInfo -----------------------------------------------------------------
     async def Cancel(self, request, context):
-        who = await self._authenticate(context)
+        who = await self.authenticate(context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         rid = who.scoped(request.request_id)
         await self._record(rid, request.request_id, context)
         try:
             resp = await self.scheduler.Cancel(
-                scheduler_pb2.SchedulerCancelRequest(request_id=rid),
+                scheduler_pb2.SchedulerServiceCancelRequest(request_id=rid),
                 timeout=self.settings.timeout_seconds,
             )
         except grpc.RpcError:
@@ -514,7 +515,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.CancelResponse(cancelled=resp.cancelled)
 
     async def GetModelInfo(self, request, context):
-        await self._authenticate(context)
+        await self.authenticate(context)
         ref = self.settings.model
         try:
             verifiers, rollout = await self._io(
@@ -522,7 +523,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         except REDIS_ERRORS:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the registry is unavailable; retry")
-        return generation_pb2.ModelInfo(
+        return generation_pb2.GetModelInfoResponse(
             name=self.manifest.get("name", ref.label),
             version=self.manifest.get("version", ""),
             vocab_size=self.limits.vocab_size,
@@ -583,7 +584,7 @@ def result_cache_key(submit: scheduler_pb2.SubmitRequest, model_version: str) ->
 
 def _handler(service: GenerationService) -> grpc.GenericRpcHandler:
     """The generated handler, with a Generate deserializer that reports bad bytes cleanly."""
-    name = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    name = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
     return grpc.method_handlers_generic_handler(
         name,
         {
@@ -600,7 +601,7 @@ def _handler(service: GenerationService) -> grpc.GenericRpcHandler:
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 service.GetModelInfo,
                 request_deserializer=generation_pb2.GetModelInfoRequest.FromString,
-                response_serializer=generation_pb2.ModelInfo.SerializeToString,
+                response_serializer=generation_pb2.GetModelInfoResponse.SerializeToString,
             ),
         },
     )
@@ -617,11 +618,11 @@ def build(settings: GatewaySettings):
         log.info("api keys seeded", extra={"keys": seeded})
     if settings.auth == "off":
         log.warning("authentication is off: every caller is one anonymous tenant, no quotas")
-    name = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+    name = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
     server = AioServer(
         settings.host,
         settings.port,
-        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+        [generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name],
         max_concurrent_rpcs=settings.max_concurrent_rpcs,
         public=True,
     )
@@ -629,12 +630,20 @@ def build(settings: GatewaySettings):
     async def scheduler_channel():  # (made on the server's loop, which uses it)
         return retrying_channel(settings.scheduler_address, name, aio=True)
 
-    scheduler = scheduler_pb2_grpc.SchedulerStub(server.run(scheduler_channel()))
+    scheduler = scheduler_pb2_grpc.SchedulerServiceStub(server.run(scheduler_channel()))
     service = GenerationService(settings, tokenizer, store, scheduler, manifest, server.loop)
     server.grpc.add_generic_rpc_handlers((_handler(service),))
     server.start()
+    if settings.http_port is not None:
+        names = [manifest.get("name", settings.model.label), *settings.http_model_aliases]
+        http = OpenAIHttp(service, names, settings.http_max_body_bytes, lambda: server.serving)
+        server.ports["http"] = server.run(http.start(settings.host, settings.http_port))
+        server.drains.append(http.stop)
     server.watch({"redis reachable": store.ping})
-    log.info("gateway ready", extra={"port": server.port, "model": settings.model.label})
+    log.info(
+        "gateway ready",
+        extra={"port": server.port, **server.ports, "model": settings.model.label},
+    )
 
     def on_stop() -> None:
         service.draining = True

@@ -33,7 +33,7 @@ from .recovery import Recovery
 
 log = logging.getLogger(__name__)
 
-VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
 CLASS_NAMES = {
     common_pb2.PRIORITY_CLASS_INTERACTIVE: "interactive",
@@ -61,19 +61,19 @@ class VerifierClients:
     Cancel and Status are idempotent)."""
 
     def __init__(self):
-        self._stubs: dict[str, verifier_pb2_grpc.VerifierStub] = {}
+        self._stubs: dict[str, verifier_pb2_grpc.VerifierServiceStub] = {}
         self._lock = threading.Lock()
 
-    def get(self, address: str) -> verifier_pb2_grpc.VerifierStub:
+    def get(self, address: str) -> verifier_pb2_grpc.VerifierServiceStub:
         with self._lock:
             if address not in self._stubs:
-                self._stubs[address] = verifier_pb2_grpc.VerifierStub(
+                self._stubs[address] = verifier_pb2_grpc.VerifierServiceStub(
                     retrying_channel(address, VERIFIER_SERVICE)
                 )
             return self._stubs[address]
 
 
-class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(
         self, settings: SchedulerSettings, store: RequestStore, verifiers: VerifierClients
     ):
@@ -134,10 +134,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         )
         return scheduler_pb2.SubmitResponse(existing=code == 1, queue_position=waiting)
 
-    def Cancel(self, request, context) -> scheduler_pb2.SchedulerCancelResponse:
+    def Cancel(self, request, context) -> scheduler_pb2.SchedulerServiceCancelResponse:
         rec = self.store.get(request.request_id)
         if rec is None:
-            return scheduler_pb2.SchedulerCancelResponse(cancelled=False)
+            return scheduler_pb2.SchedulerServiceCancelResponse(cancelled=False)
         state, owner = self.store.cancel(
             request.request_id,
             ended_final("FINISH_REASON_CANCELLED", len(rec.spec.get("prompt_ids", []))),
@@ -149,12 +149,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if address:
                 try:
                     self.verifiers.get(address).Cancel(
-                        verifier_pb2.VerifierCancelRequest(request_id=request.request_id),
+                        verifier_pb2.VerifierServiceCancelRequest(request_id=request.request_id),
                         timeout=self.settings.timeout_seconds,
                     )
                 except grpc.RpcError as e:  # the verifier also reads the flag each step
                     log.warning("verifier cancel failed", extra={"code": str(e.code())})
-        return scheduler_pb2.SchedulerCancelResponse(cancelled=state in (1, 2))
+        return scheduler_pb2.SchedulerServiceCancelResponse(cancelled=state in (1, 2))
 
 
 class Placer:
@@ -504,9 +504,9 @@ def build(settings: SchedulerSettings):
     server = Server(
         settings.host,
         settings.port,
-        [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+        [scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name],
     )
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
         SchedulerService(settings, store, clients), server.grpc
     )
     consumer = settings.scheduler_id or socket.gethostname()

@@ -33,7 +33,7 @@ class DrafterClient:
     def is_open(self) -> bool:
         return self._requests is not None
 
-    def send(self, request: drafter_pb2.DraftRequest) -> None:
+    def send(self, request: drafter_pb2.SpeculateRequest) -> None:
         if self._requests is None:
             raise DraftUnavailable("stream not open")
         self._requests.put(request)
@@ -60,7 +60,9 @@ class DrafterClient:
         self._channel = tls.channel(self.address)
         requests: queue.Queue = queue.Queue()
         self._requests, self._responses = requests, queue.Queue()
-        call = drafter_pb2_grpc.DrafterStub(self._channel).Speculate(iter(requests.get, None))
+        call = drafter_pb2_grpc.DrafterServiceStub(self._channel).Speculate(
+            iter(requests.get, None)
+        )
         threading.Thread(
             target=self._read, args=(call, self._responses), name="drafter-reader", daemon=True
         ).start()

@@ -59,11 +59,11 @@ class DrafterSync:
         seqs: list[Sequence],
         budgets: list[tuple[int, int]],
         drafters: Container[str],
-    ) -> drafter_pb2.DraftRequest:
+    ) -> drafter_pb2.SpeculateRequest:
         """What changed for these sequences since this drafter's stream (open) last heard of
         them, with each one's (budget, deep budget); the other `drafters` still known are told
         of sequences that moved away."""
-        request = drafter_pb2.DraftRequest(step=self.step, traceparent=telemetry.traceparent())
+        request = drafter_pb2.SpeculateRequest(step=self.step, traceparent=telemetry.traceparent())
         request.sequences.extend(self._finished.pop(client.address, []))
         for seq, (budget, deep) in zip(seqs, budgets, strict=True):
             synced = self._synced.get(seq.request_id)

@@ -106,7 +106,7 @@ class Served:
         )
 
 
-class VerifierService(pb_grpc.VerifierServicer):
+class VerifierService(pb_grpc.VerifierServiceServicer):
     def __init__(
         self,
         settings: VerifierSettings,
@@ -204,12 +204,12 @@ class VerifierService(pb_grpc.VerifierServicer):
             admitted=False, reason="an earlier copy of the request is still leaving this verifier"
         )
 
-    def Cancel(self, request, context) -> pb.VerifierCancelResponse:
-        return pb.VerifierCancelResponse(found=self.engine.cancel(request.request_id))
+    def Cancel(self, request, context) -> pb.VerifierServiceCancelResponse:
+        return pb.VerifierServiceCancelResponse(found=self.engine.cancel(request.request_id))
 
-    def Status(self, request, context) -> pb.VerifierStatus:
+    def Status(self, request, context) -> pb.StatusResponse:
         load = self.engine.admission.load()
-        return pb.VerifierStatus(
+        return pb.StatusResponse(
             verifier_id=self.verifier_id,
             running=load["running"],
             capacity=self.settings.batch_size,
@@ -314,7 +314,7 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
     store.wait_reachable()
     store.ensure_queues()
     server = Server(
-        settings.host, settings.port, [pb.DESCRIPTOR.services_by_name["Verifier"].full_name]
+        settings.host, settings.port, [pb.DESCRIPTOR.services_by_name["VerifierService"].full_name]
     )
     address = settings.advertise_address or f"{settings.host}:{server.port}"
     vid = settings.verifier_id or address
@@ -362,7 +362,7 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
     )
     engine.on_lost = server.fail  # (a lost rank: the verifier exits, to restart as a group)
     service = VerifierService(settings, engine, store, vid, served)
-    pb_grpc.add_VerifierServicer_to_server(service, server.grpc)
+    pb_grpc.add_VerifierServiceServicer_to_server(service, server.grpc)
     stop_hb = threading.Event()
     engine.start()
     # Registered before it serves: a claim by this incarnation is never older than its entry.

@@ -1,0 +1,269 @@
+"""The gateway's OpenAI-compatible HTTP API (aiohttp, on the gRPC server's event loop).
+
+A call goes down the same path as a gRPC `Generate`: `HttpContext` gives `GenerationService`
+what it asks of a gRPC context (the caller's metadata, `abort`, done callbacks), so API keys,
+quotas, validation, audit, metrics, tracing and cancel-on-disconnect are the gRPC port's own.
+This module only maps JSON to the request (`openai_api`) and the stream to JSON or SSE.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from aiohttp import web
+
+from ..common import tls
+from ..v1 import generation_pb2
+from . import metrics
+from .openai_api import CHAT, COMPLETIONS, ApiError, Completion, parse, to_generate
+
+log = logging.getLogger(__name__)
+
+FORWARDED = ("authorization", "traceparent", "tracestate")  # headers the service reads
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class Aborted(Exception):
+    """`HttpContext.abort`: the service ended the call with a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple):
+        super().__init__(details)
+        self.code, self.details, self.trailing = code, details, trailing
+
+    def api_error(self) -> ApiError:
+        retry = dict(self.trailing).get("retry-after-ms")
+        return ApiError.from_status(self.code, self.details, int(retry) if retry else None)
+
+
+class HttpContext:
+    """The part of a grpc.aio ServicerContext that `GenerationService` uses, for one HTTP
+    request: an HTTP call has no deadline, and it is cancelled when its client disconnects."""
+
+    def __init__(self, request: web.Request):
+        self._metadata = tuple(
+            (k.lower(), v) for k, v in request.headers.items() if k.lower() in FORWARDED
+        )
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        self._peer = f"ipv4:{peer[0]}:{peer[1]}" if peer else "unknown"
+        self._callbacks: list[Callable[[HttpContext], None]] = []
+        self._code: grpc.StatusCode | None = None
+        self._cancelled = False
+        self._trailing: tuple = ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def time_remaining(self) -> None:
+        return None
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self._trailing = tuple(metadata)
+
+    def add_done_callback(self, callback: Callable[[HttpContext], None]) -> None:
+        self._callbacks.append(callback)
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._code = code
+        raise Aborted(code, details, self._trailing)
+
+    def done(self, cancelled: bool) -> None:
+        """The call is over (`cancelled`: its client left first): the done callbacks run."""
+        self._cancelled = cancelled
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+
+def _sse(data: dict | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+class OpenAIHttp:
+    """The routes. `service` is the gateway's `GenerationService`; `names` the model ids
+    clients may ask for (the served model's name first, then configured aliases)."""
+
+    def __init__(self, service, names: list[str], max_body_bytes: int, ready: Callable[[], bool]):
+        self.service, self.names, self.ready = service, names, ready
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/completions", lambda r: self._complete(r, COMPLETIONS))
+        app.router.add_post("/v1/chat/completions", lambda r: self._complete(r, CHAT))
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_get("/health", self._health)  # ready to serve (load balancers)
+        app.router.add_get("/readyz", self._health)
+        app.router.add_get("/livez", lambda _: web.json_response({"status": "alive"}))
+        return app
+
+    async def start(self, host: str, port: int) -> int:
+        """Listens (TLS as the gRPC port does); the port bound."""
+        # handler_cancellation: a client that disconnects cancels its handler, so its
+        # request is cancelled as a gRPC stream's is.
+        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port, ssl_context=tls.http_context())
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # (port 0: the one bound)
+        return self.port
+
+    async def stop(self, drain_seconds: float) -> None:
+        """Stops listening, lets calls in flight finish for `drain_seconds`, then cuts them."""
+        if self.runner is not None:
+            self.runner.shutdown_timeout = drain_seconds
+            await self.runner.cleanup()
+
+    # --- errors -------------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every error in OpenAI's JSON shape, never a traceback; a response count per route."""
+        route = request.match_info.route.resource
+        name = route.canonical if route is not None else "unmatched"
+        try:
+            response = await handler(request)
+        except ApiError as e:
+            response = web.json_response(e.body(), status=e.status, headers=e.headers)
+        except web.HTTPException as e:  # no such route, wrong method, body too large...
+            error = ApiError(e.status, e.reason, code=e.reason.lower().replace(" ", "_"))
+            response = web.json_response(error.body(), status=e.status)
+        except Exception:
+            log.exception("http handler failed", extra={"path": request.path})
+            error = ApiError(500, "internal error", "server_error")
+            response = web.json_response(error.body(), status=500)
+        metrics.HTTP_RESPONSES.labels(name, str(response.status)).inc()
+        return response
+
+    async def _body(self, request: web.Request, kind: str):
+        if request.content_type != "application/json":
+            raise ApiError(
+                415,
+                f"Content-Type must be application/json, got {request.content_type!r}",
+                code="unsupported_media_type",
+            )
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(
+                413, f"the body is larger than {self.max_body_bytes} bytes", code="too_large"
+            ) from None
+        body = parse(kind, raw)
+        if body.model not in self.names:
+            raise ApiError(
+                404,
+                f"the model {body.model[:100]!r} does not exist; this service serves "
+                f"{', '.join(map(repr, self.names))} (GET /v1/models)",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
+        return body
+
+    # --- completions --------------------------------------------------------------------------
+    async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
+        body = await self._body(request, kind)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        completion = Completion(kind, body.model, include_usage)
+        context = HttpContext(request)
+        chunks = self.service.Generate(to_generate(body), context)
+        cancelled = True  # until the call ends by itself
+        try:
+            first = await _next(chunks)  # errors before any output get their HTTP status
+            if body.stream:
+                response = await self._stream(request, completion, first, chunks)
+            else:
+                while first is not None:
+                    completion.add(first)
+                    first = await _next(chunks)
+                response = web.json_response(completion.response())
+            cancelled = False
+            return response
+        except ApiError:
+            cancelled = False
+            raise
+        finally:
+            await chunks.aclose()
+            context.done(cancelled)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        completion: Completion,
+        chunk: generation_pb2.GenerateResponse | None,
+        chunks: AsyncIterator[generation_pb2.GenerateResponse],
+    ) -> web.StreamResponse:
+        """Server-sent events, as OpenAI streams: a JSON chunk per event, then [DONE]. A
+        write waits while the client does not read, which stops the request's read cursor
+        as a gRPC stream's flow control does."""
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        if opening := completion.first_chunk():
+            await response.write(_sse(opening))
+        try:
+            while chunk is not None:
+                for event in completion.chunks(chunk):
+                    await response.write(_sse(event))
+                chunk = await _next(chunks)
+        except ApiError as e:  # (the status line is sent: the error goes as an event)
+            await response.write(_sse(e.body()))
+        await response.write(_sse("[DONE]"))
+        await response.write_eof()
+        return response
+
+    # --- models, health -----------------------------------------------------------------------
+    async def _authenticate(self, request: web.Request) -> None:
+        try:
+            await self.service.authenticate(HttpContext(request))
+        except Aborted as e:
+            raise e.api_error() from None
+
+    def _card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "specserve"}
+
+    async def _models(self, request: web.Request) -> web.Response:
+        await self._authenticate(request)
+        return web.json_response({"object": "list", "data": [self._card(n) for n in self.names]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        await self._authenticate(request)
+        name = request.match_info["model"]
+        if name not in self.names:
+            raise ApiError(
+                404,
+                f"the model {name[:100]!r} does not exist",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
+        return web.json_response(self._card(name))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.ready():
+            return web.json_response({"status": "serving"})
+        return web.json_response({"status": "not serving"}, status=503)
+
+
+async def _next(chunks) -> generation_pb2.GenerateResponse | None:
+    """The stream's next chunk; None at its end; ApiError when the service aborted it."""
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return None
+    except Aborted as e:
+        raise e.api_error() from None

@@ -1,0 +1,339 @@
+"""The OpenAI API's shapes, pure: request bodies in, `GenerateRequest` out; chunks of the
+gateway's stream in, OpenAI's responses and errors out. `http_server` does the I/O.
+
+Bodies are checked strictly (a string where a number belongs is a 400 naming the field);
+fields this module does not know are ignored, as clients send fields at their defaults.
+Fields it knows but cannot honour (n > 1, logprobs, tools, penalties...) are refused by name.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..v1 import common_pb2, generation_pb2
+
+COMPLETIONS, CHAT = "text_completion", "chat.completion"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless asked not to
+
+# gRPC status -> (HTTP status, OpenAI error type), as the OpenAI API answers the same case.
+HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.CANCELLED: (409, "cancelled"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.INTERNAL: (500, "server_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+FINISH = {
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_MAX_SEQ_LEN: "length",
+    common_pb2.FINISH_REASON_EOS: "stop",
+    common_pb2.FINISH_REASON_STOP: "stop",
+}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code, self.headers = code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    @classmethod
+    def from_status(
+        cls, code: grpc.StatusCode, details: str, retry_after_ms: int | None = None
+    ) -> ApiError:
+        """The gateway's gRPC status as the OpenAI API's error; a field the detail names
+        ("max_tokens: ...") becomes `param`, and a retry hint becomes Retry-After."""
+        status, type_ = HTTP_STATUS.get(code, (500, "server_error"))
+        head, sep, _ = details.partition(": ")
+        param = head if sep and status == 400 and " " not in head else None
+        headers = {}
+        if retry_after_ms is not None:
+            headers = {
+                "Retry-After": str(max(1, -(-retry_after_ms // 1000))),  # whole seconds, up
+                "retry-after-ms": str(retry_after_ms),  # (the openai client prefers this one)
+            }
+        return cls(status, details, type_, param, code.name.lower(), headers)
+
+
+# --- requests ----------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+TokenList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class _Body(_Strict):
+    """What both endpoints take. `priority` and `session_id` are this service's own."""
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)  # (as vLLM takes it)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    service_tier: str | None = None
+    priority: Literal["interactive", "batch"] | None = None
+    session_id: str | None = None
+    user: str | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | TokenList | list[str] | list[TokenList]
+    max_tokens: PositiveInt | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+def parse(kind: str, raw: bytes) -> CompletionBody | ChatBody:
+    """The body of a /v1/completions (`COMPLETIONS`) or /v1/chat/completions (`CHAT`) call;
+    ApiError 400 naming the first field that is wrong."""
+    model = CompletionBody if kind == COMPLETIONS else ChatBody
+    try:
+        body = model.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            raise ApiError(400, f"the body is not valid JSON: {first['msg']}") from None
+        if first["type"] in ("model_type", "model_attributes_type") and not first["loc"]:
+            raise ApiError(400, "the body must be a JSON object") from None
+        param = ".".join(str(p) for p in first["loc"] if not _is_type_name(p))
+        raise ApiError(400, f"{param}: {first['msg']}", param=param or None) from None
+    _refuse_unsupported(body)
+    return body
+
+
+def _is_type_name(part: object) -> bool:
+    """pydantic names the member of a union it tried (`str`, `list[int]`): not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def _refuse_unsupported(body: CompletionBody | ChatBody) -> None:
+    def refuse(param: str, why: str) -> None:
+        raise ApiError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
+
+    if body.n not in (None, 1):
+        refuse("n", "only n = 1 is supported (send one request per completion)")
+    if body.stream_options is not None and not body.stream:
+        refuse("stream_options", "only allowed when stream is true")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            refuse(name, "penalties are not supported (only 0)")
+    if body.logit_bias:
+        refuse("logit_bias", "not supported")
+    if body.logprobs:
+        refuse("logprobs", "log probabilities are not returned")
+    if isinstance(body, CompletionBody):
+        if body.echo:
+            refuse("echo", "not supported")
+        if body.best_of not in (None, 1):
+            refuse("best_of", "only best_of = 1 is supported")
+        if body.suffix:
+            refuse("suffix", "not supported")
+        if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
+            if len(body.prompt) != 1:
+                refuse("prompt", "one prompt per request (a list of prompts is not supported)")
+        return
+    if body.tools or body.tool_choice not in (None, "none"):
+        refuse("tools", "tool calling is not supported")
+    if body.top_logprobs:
+        refuse("top_logprobs", "log probabilities are not returned")
+    if body.response_format and body.response_format.get("type") != "text":
+        refuse("response_format", 'only {"type": "text"} is supported')
+    for i, m in enumerate(body.messages):
+        if m.role in ("tool", "function"):
+            refuse(f"messages.{i}.role", f"{m.role} messages are not supported")
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type != "text" or part.text is None:
+                refuse(f"messages.{i}.content.{j}", "only text content parts are supported")
+
+
+def to_generate(body: CompletionBody | ChatBody) -> generation_pb2.GenerateRequest:
+    """The gateway's request for an OpenAI body (which `parse` accepted)."""
+    temperature = OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    sampling = common_pb2.SamplingParams(
+        temperature=temperature, top_p=body.top_p or 0, top_k=body.top_k or 0
+    )
+    if body.seed is not None:
+        sampling.seed = body.seed
+    batch = body.priority == "batch" or body.service_tier == "flex"
+    req = generation_pb2.GenerateRequest(
+        sampling=sampling,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        priority=common_pb2.PRIORITY_CLASS_BATCH
+        if batch
+        else common_pb2.PRIORITY_CLASS_INTERACTIVE,
+        session_id=body.session_id or "",
+    )
+    if isinstance(body, CompletionBody):
+        req.max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        prompt = body.prompt
+        if isinstance(prompt, list) and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a list of one prompt
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_ids.ids.extend(prompt)
+        return req
+    req.max_tokens = body.max_completion_tokens or body.max_tokens or 0  # 0: the gateway's
+    for m in body.messages:
+        role = "system" if m.role == "developer" else m.role  # (developer is OpenAI's new system)
+        parts = m.content if isinstance(m.content, list) else [m.content or ""]
+        text = "\n".join(p if isinstance(p, str) else p.text or "" for p in parts)
+        req.messages.messages.add(role=role, content=text)
+    return req
+
+
+# --- responses ---------------------------------------------------------------------------------
+@dataclass
+class Completion:
+    """One request's answer as it accumulates, and its OpenAI shapes (`kind` is COMPLETIONS or
+    CHAT). The speculation statistics ride along as the extension field `speculation`."""
+
+    kind: str
+    model: str
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: list[str] = field(default_factory=list)
+    final: generation_pb2.FinalInfo | None = None
+
+    def add(self, chunk: generation_pb2.GenerateResponse) -> None:
+        self.id = (
+            self.id or ("cmpl-" if self.kind == COMPLETIONS else "chatcmpl-") + chunk.request_id
+        )
+        self.text.append(chunk.text)
+        if chunk.HasField("final"):
+            self.final = chunk.final
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = self.kind + (".chunk" if chunk and self.kind == CHAT else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _choice(self, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == COMPLETIONS:
+            choice["text"] = text
+        elif delta:
+            choice["delta"] = {"content": text} if text or finish is None else {}
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        return choice | {"logprobs": None, "finish_reason": finish}
+
+    def response(self) -> dict[str, Any]:
+        """The whole answer (stream: false)."""
+        body = self._head(chunk=False)
+        body["choices"] = [self._choice("".join(self.text), self._finish(), delta=False)]
+        return body | self._extensions(usage=True)
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant's role, as OpenAI's do."""
+        if self.kind != CHAT:
+            return None
+        body = self._head(chunk=True)
+        body["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}}]
+        body["choices"][0] |= {"logprobs": None, "finish_reason": None}
+        return body | ({"usage": None} if self.include_usage else {})
+
+    def chunks(self, chunk: generation_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        """What one of the gateway's chunks becomes in an SSE stream."""
+        self.add(chunk)
+        finish = self._finish() if self.final is not None else None
+        if not chunk.text and finish is None:
+            return []
+        body = self._head(chunk=True)
+        body["choices"] = [self._choice(chunk.text, finish, delta=True)]
+        if finish is None:
+            return [body | ({"usage": None} if self.include_usage else {})]
+        out = [
+            body | self._extensions(usage=False) | ({"usage": None} if self.include_usage else {})
+        ]
+        if self.include_usage:  # OpenAI's last chunk: usage, and no choices
+            out.append(self._head(chunk=True) | {"choices": []} | self._extensions(usage=True))
+        return out
+
+    def _finish(self) -> str:
+        return FINISH.get(self.final.finish_reason, "stop") if self.final else "stop"
+
+    def _extensions(self, usage: bool) -> dict[str, Any]:
+        if self.final is None:
+            return {}
+        stats = self.final.speculation  # (as numbers: MessageToDict writes int64 as strings)
+        out: dict[str, Any] = {
+            "speculation": {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields},
+            "system_fingerprint": self.final.model_version or None,
+        }
+        if usage:
+            u = self.final.usage
+            out["usage"] = {
+                "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.completion_tokens,
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+            }
+        return out
