@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto models run test bench bench-load bench-kv bench-learn bench-tp bench-scale bench-engine gpu-check gpu-bundle lint \
+.PHONY: setup install proto proto-check models run test bench bench-load bench-kv bench-learn bench-tp bench-scale bench-engine gpu-check gpu-bundle lint \
 	clean image image-gpu k8s-secrets k8s-render
 
 setup: install proto models
@@ -33,13 +33,29 @@ $(GEN): $(PROTOS) $(STAMP)
 
 proto: $(GEN)
 
+# buf, from npm (Node.js's npm is on the machine; the binary is in the package).
+BUF_VERSION = 1.75.0
+BUF = build/buf/node_modules/.bin/buf
+$(BUF):
+	npm install --prefix build/buf --no-audit --no-fund --loglevel=error @bufbuild/buf@$(BUF_VERSION)
+
+# The protos pass buf lint, and break nothing that any earlier v1 version had: each commit
+# since buf.yaml came in that changed them is checked against (needs the git history).
+proto-check: $(BUF)
+	$(BUF) lint
+	@base=$$(git log --diff-filter=A --format=%H -- buf.yaml | tail -1); \
+	test -n "$$base" || { echo "proto-check: buf.yaml is in no commit (a shallow clone?)"; exit 1; }; \
+	for c in $$base $$(git rev-list "$$base..HEAD" -- protos buf.yaml); do \
+		$(BUF) breaking --against ".git#ref=$$c" || { echo "proto-check: breaks $$c"; exit 1; }; \
+	done; echo "protos: lint clean, compatible with every version since $$(git rev-parse --short $$base)"
+
 models: $(STAMP) $(GEN)
 	$(VENV)/bin/specserve models fetch
 
 run: setup
 	$(VENV)/bin/specserve --config config/specserve.yaml up
 
-test: setup
+test: setup proto-check
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
