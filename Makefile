@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto proto-check models run test bench bench-load bench-kv bench-learn bench-tp bench-scale bench-engine gpu-check gpu-bundle lint \
+.PHONY: setup install proto proto-check models run test bench bench-load bench-kv bench-learn bench-tp bench-scale bench-http bench-engine gpu-check gpu-bundle lint \
 	clean image image-gpu k8s-secrets k8s-render
 
 setup: install proto models
@@ -94,6 +94,10 @@ bench-tp: setup
 # through a gateway kill; what a step pays for its Redis write (sync against async).
 bench-scale: setup
 	$(PY) -m benchmarks.scale --streams 2000 --seconds 20 --step-ms 1000 --batch 64
+
+# Time per output token streamed over the OpenAI-compatible HTTP API against gRPC, same run.
+bench-http: setup
+	$(PY) -m benchmarks.http_stream --rounds 12 --tokens 200 --concurrency 4
 	$(PY) -m benchmarks.long_output --tokens 8000 --batch 4
 	$(VENV)/bin/specserve models fetch smollm2-135m-instruct@0.1.2
 	$(PY) -m benchmarks.step_writes --tiny --threads 1 --reps 5

@@ -244,6 +244,22 @@ def _certs(args: argparse.Namespace) -> int:
     return 0
 
 
+GENERATE_EPILOG = """\
+The same over the other ways in (`specserve up` prints these with its dev key and CA):
+  gRPC, with grpcurl:
+    grpcurl -cacert ca.pem -H 'authorization: Bearer $KEY' \\
+      -d '{"prompt": "def fib(n):", "max_tokens": 32}' \\
+      127.0.0.1:50051 specserve.v1.GenerationService/Generate
+  HTTP, with the openai package (the gateway's http_port, 8000 in config/specserve.yaml):
+    from openai import OpenAI
+    client = OpenAI(base_url="https://127.0.0.1:8000/v1", api_key=KEY)
+    for chunk in client.chat.completions.create(
+        model="qwen2.5-coder-1.5b-instruct", stream=True,
+        messages=[{"role": "user", "content": "def fib(n):"}]):
+        print(chunk.choices[0].delta.content or "", end="")
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specserve",
@@ -276,7 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     u.set_defaults(func=_up)
 
-    g = sub.add_parser("generate", help="stream a completion from a running gateway")
+    g = sub.add_parser(
+        "generate",
+        help="stream a completion from a running gateway",
+        description="Streams a completion from a running gateway over gRPC.",
+        epilog=GENERATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g.add_argument("prompt", help="prompt text (sent as a chat message unless --raw)")
     g.add_argument("--address", default="127.0.0.1:50051", help="gateway host:port")
     g.add_argument("--max-tokens", type=int, default=128)

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from .common.settings import ModelRef
 from .supervisor import RestartPolicy, Supervisor, log_to, supervise
 
 START_ORDER = ("scheduler", "drafter", "verifier", "gateway")
@@ -392,6 +393,29 @@ def print_usage(cluster: LocalCluster, ca: Path | str | None, took: float) -> No
         f"  or: grpcurl {flags}"
         f'-d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\' '
         f"{gateway} specserve.v1.GenerationService/Generate\n"
-        "A member that dies is restarted on its port; Ctrl-C stops everything.",
+        + http_usage(cluster, key, ca)
+        + "A member that dies is restarted on its port; Ctrl-C stops everything.",
         flush=True,
+    )
+
+
+def http_usage(cluster: LocalCluster, key: str | None, ca: Path | str | None) -> str:
+    """How to call the gateway's OpenAI-compatible HTTP API: curl, and the openai client."""
+    port = cluster.procs["gateway"].http_port
+    if not port:
+        return ""
+    base = f"{'https' if ca else 'http'}://127.0.0.1:{port}/v1"
+    model = cluster.config.get("gateway", {}).get("model", {}).get("name", ModelRef().name)
+    body = (
+        f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi"}}], "stream": true}}'
+    )
+    flags = (f"--cacert {ca} " if ca else "") + (
+        f"-H 'Authorization: Bearer {key}' " if key else ""
+    )
+    env = f"OPENAI_BASE_URL={base} OPENAI_API_KEY={key or 'none'} "
+    return (
+        f"  or: curl -N {flags}-H 'Content-Type: application/json' -d '{body}' "
+        f"{base}/chat/completions\n"
+        f"  or: {env}{f'SSL_CERT_FILE={ca} ' if ca else ''}python my_openai_script.py "
+        f'(model="{model}")\n'
     )
