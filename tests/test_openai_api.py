@@ -56,10 +56,14 @@ def test_a_completions_body_takes_text_or_token_ids():
     [
         (COMPLETIONS, {"prompt": "x", "n": 3}, "n"),
         (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
+        (COMPLETIONS, {"prompt": []}, "prompt"),
         (COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": 2.0}, "max_tokens"),
         (COMPLETIONS, {"prompt": "x", "seed": -1}, "seed"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 2**40}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "top_k": 2**40}, "top_k"),
+        (COMPLETIONS, {"prompt": [2**40]}, "prompt"),
         (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         (COMPLETIONS, {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
         (COMPLETIONS, {}, "prompt"),
@@ -88,6 +92,9 @@ def test_grpc_statuses_become_openai_errors():
     assert (e.status, e.param, e.type) == (400, "max_tokens", "invalid_request_error")
     e = ApiError.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "2 concurrent streams", 1500)
     assert e.status == 429 and e.headers == {"Retry-After": "2", "retry-after-ms": "1500"}
+    assert e.code == "rate_limit_exceeded"
+    e = ApiError.from_status(grpc.StatusCode.CANCELLED, "cancelled")
+    assert e.status == 409 and e.headers == {"x-should-retry": "false"}  # (not sent again)
     assert ApiError.from_status(grpc.StatusCode.UNAUTHENTICATED, "no key").status == 401
     assert ApiError.from_status(grpc.StatusCode.PERMISSION_DENIED, "tier").status == 403
     assert ApiError.from_status(grpc.StatusCode.UNAVAILABLE, "retry").status == 503
@@ -105,9 +112,12 @@ def final_chunk(rid: str) -> generation_pb2.GenerateResponse:
 
 def test_a_chat_stream_opens_with_the_role_and_ends_with_usage():
     c = Completion(CHAT, "m", include_usage=True)
-    assert c.first_chunk()["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    (mid,) = c.chunks(generation_pb2.GenerateResponse(request_id="r", text="Hi"))
-    assert mid["id"] == "chatcmpl-r" and mid["choices"][0]["delta"] == {"content": "Hi"}
+    first = generation_pb2.GenerateResponse(request_id="r", text="Hi")
+    opening = c.first_chunk(first)
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    (mid,) = c.chunks(first)
+    assert opening["id"] == mid["id"] == "chatcmpl-r"  # one id for the whole stream
+    assert mid["choices"][0]["delta"] == {"content": "Hi"}
     assert mid["usage"] is None and mid["object"] == "chat.completion.chunk"
     last, usage = c.chunks(final_chunk("r"))
     assert last["choices"][0] == {
@@ -123,7 +133,7 @@ def test_a_chat_stream_opens_with_the_role_and_ends_with_usage():
 
 def test_a_completion_answers_in_one_body():
     c = Completion(COMPLETIONS, "m")
-    assert c.first_chunk() is None
+    assert c.first_chunk(generation_pb2.GenerateResponse(request_id="r")) is None
     c.add(generation_pb2.GenerateResponse(request_id="r", text="a"))
     c.add(final_chunk("r"))
     whole = c.response()

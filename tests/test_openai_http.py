@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import ssl
 import subprocess
 import sys
@@ -195,10 +196,11 @@ def test_curl_reads_server_sent_events(api, certs, key):
     assert text == whole["choices"][0]["message"]["content"]
 
 
-def test_a_client_that_disconnects_mid_stream_cancels_its_request(api, certs, keys, key):
+def open_stream(api, certs, key: str, max_tokens: int = 1000):
+    """A streamed completion, read up to its first event: (connection, response, stored id)."""
     tls = ssl.create_default_context(cafile=str(certs["ca"]))
     conn = http.client.HTTPSConnection("127.0.0.1", api.procs["gateway"].http_port, context=tls)
-    body = {"model": README_MODEL, "prompt": "Once", "max_tokens": 1000, "stream": True}
+    body = {"model": README_MODEL, "prompt": "Once", "max_tokens": max_tokens, "stream": True}
     conn.request(
         "POST",
         "/v1/completions",
@@ -208,7 +210,11 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(api, certs, ke
     response = conn.getresponse()
     assert response.status == 200
     first = json.loads(response.readline().decode().removeprefix("data: "))
-    rid = "acme:" + first["id"].removeprefix("cmpl-")  # as the tenant's request is stored
+    return conn, response, "acme:" + first["id"].removeprefix("cmpl-")  # (the tenant's id)
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_request(api, certs, keys, key):
+    conn, response, rid = open_stream(api, certs, key)
     r = redis.Redis.from_url(api.redis_url, decode_responses=True)
     streams = quota_keys(key.split("_")[1])[1]
     assert r.zcard(streams) == 1 and r.hget(req_key(rid), "status") != "cancelled"
@@ -300,3 +306,18 @@ def test_a_key_over_its_stream_cap_gets_429_with_retry_after(api, certs, keys):
         stream.close()
     with pytest.raises(openai.AuthenticationError):
         client(api, certs, "ssk_000000000000_" + "z" * 48).models.list()
+
+
+def test_a_drain_cuts_http_streams_and_cancels_their_requests(api, certs, key):
+    """(Last here: it stops the gateway.) A gRPC stream cut by a drain is re-attached to; an
+    HTTP client cannot re-attach, so its request is cancelled rather than run for nobody."""
+    conn, response, rid = open_stream(api, certs, key, max_tokens=1000)
+    api.kill("gateway", signal.SIGTERM)  # drains for drain_seconds (1 s), then cuts
+    try:
+        response.read()
+    except http.client.IncompleteRead:
+        pass  # (cut mid-stream)
+    conn.close()
+    r = redis.Redis.from_url(api.redis_url, decode_responses=True)
+    wait_until(lambda: r.hget(req_key(rid), "status") == "cancelled", "cut request cancelled")
+    assert int(r.hget(req_key(rid), "generated")) < 1000

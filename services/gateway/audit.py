@@ -25,6 +25,7 @@ class Call:
     are made of)."""
 
     peer: str
+    protocol: str = "grpc"  # or "http" (the OpenAI-compatible API, which cannot re-attach)
     started: float = field(default_factory=time.monotonic)
     who: Principal = ANONYMOUS
     public_id: str = ""  # the request id the client knows
@@ -48,6 +49,7 @@ class Call:
             "key_id": self.who.key_id,
             "request_id": self.public_id,
             "client": self.peer,
+            "protocol": self.protocol,
             "priority": self.priority,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.emitted,

@@ -8,10 +8,13 @@ This module only maps JSON to the request (`openai_api`) and the stream to JSON 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 import grpc
 from aiohttp import web
@@ -25,6 +28,8 @@ log = logging.getLogger(__name__)
 
 FORWARDED = ("authorization", "traceparent", "tracestate")  # headers the service reads
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+CANCEL_WAIT_SECONDS = 5.0  # a drain waits this long for the calls it cut, and their cancels
+INTERNAL = ApiError(500, "internal error", "server_error")
 
 
 class Aborted(Exception):
@@ -43,16 +48,23 @@ class HttpContext:
     """The part of a grpc.aio ServicerContext that `GenerationService` uses, for one HTTP
     request: an HTTP call has no deadline, and it is cancelled when its client disconnects."""
 
+    protocol = "http"  # (in the audit record; an HTTP client cannot re-attach to a stream)
+
     def __init__(self, request: web.Request):
         self._metadata = tuple(
             (k.lower(), v) for k, v in request.headers.items() if k.lower() in FORWARDED
         )
         peer = request.transport.get_extra_info("peername") if request.transport else None
-        self._peer = f"ipv4:{peer[0]}:{peer[1]}" if peer else "unknown"
+        if peer:  # (as gRPC names a peer)
+            host = f"ipv6:[{peer[0]}]" if ":" in peer[0] else f"ipv4:{peer[0]}"
+            self._peer = f"{host}:{peer[1]}"
+        else:
+            self._peer = "unknown"
         self._callbacks: list[Callable[[HttpContext], None]] = []
         self._code: grpc.StatusCode | None = None
         self._cancelled = False
         self._trailing: tuple = ()
+        self.principal = None  # the caller, once authenticated (not looked up twice)
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -93,41 +105,66 @@ def _sse(data: dict | str) -> bytes:
 
 class OpenAIHttp:
     """The routes. `service` is the gateway's `GenerationService`; `names` the model ids
-    clients may ask for (the served model's name first, then configured aliases)."""
+    clients may ask for (the served model's name first, then configured aliases); at most
+    `max_calls` completions run at once (as `max_concurrent_rpcs` caps the gRPC port)."""
 
-    def __init__(self, service, names: list[str], max_body_bytes: int, ready: Callable[[], bool]):
+    def __init__(
+        self,
+        service,
+        names: list[str],
+        max_body_bytes: int,
+        max_calls: int,
+        ready: Callable[[], bool],
+    ):
         self.service, self.names, self.ready = service, names, ready
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes, self.max_calls = max_body_bytes, max_calls
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self.port = 0
+        self.calls: set[asyncio.Task] = set()  # completions in flight
+        self.draining = False
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
-        app.router.add_post("/v1/completions", lambda r: self._complete(r, COMPLETIONS))
-        app.router.add_post("/v1/chat/completions", lambda r: self._complete(r, CHAT))
+        app.router.add_post("/v1/completions", partial(self._complete, kind=COMPLETIONS))
+        app.router.add_post("/v1/chat/completions", partial(self._complete, kind=CHAT))
         app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_get("/v1/models/{model:.+}", self._model)
         app.router.add_get("/health", self._health)  # ready to serve (load balancers)
         app.router.add_get("/readyz", self._health)
-        app.router.add_get("/livez", lambda _: web.json_response({"status": "alive"}))
+        app.router.add_get("/livez", self._live)
         return app
 
     async def start(self, host: str, port: int) -> int:
         """Listens (TLS as the gRPC port does); the port bound."""
         # handler_cancellation: a client that disconnects cancels its handler, so its
         # request is cancelled as a gRPC stream's is.
-        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=CANCEL_WAIT_SECONDS,  # (what is left then: idle connections)
+        )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, ssl_context=tls.http_context())
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # (port 0: the one bound)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family)  # (port 0: a free one)
+        await web.SockSite(self.runner, sock, ssl_context=tls.http_context()).start()
+        self.port = sock.getsockname()[1]
         return self.port
 
     async def stop(self, drain_seconds: float) -> None:
-        """Stops listening, lets calls in flight finish for `drain_seconds`, then cuts them."""
+        """A drain: new calls get 503 (and /health 503, for the load balancer) while those in
+        flight finish, for up to `drain_seconds`; the rest are cut and their requests
+        cancelled (an HTTP client cannot re-attach). Then the port closes."""
+        self.draining = True
+        if self.calls:
+            await asyncio.wait(set(self.calls), timeout=drain_seconds)
+        for task in self.calls:
+            task.cancel()
+        if self.calls:
+            await asyncio.wait(set(self.calls), timeout=CANCEL_WAIT_SECONDS)
+        await self.service.cancels_sent(timeout=CANCEL_WAIT_SECONDS)
         if self.runner is not None:
-            self.runner.shutdown_timeout = drain_seconds
             await self.runner.cleanup()
 
     # --- errors -------------------------------------------------------------------------------
@@ -140,13 +177,15 @@ class OpenAIHttp:
             response = await handler(request)
         except ApiError as e:
             response = web.json_response(e.body(), status=e.status, headers=e.headers)
-        except web.HTTPException as e:  # no such route, wrong method, body too large...
-            error = ApiError(e.status, e.reason, code=e.reason.lower().replace(" ", "_"))
+        except ConnectionError:  # the client left (mid-body): nobody reads an answer
+            response = web.Response(status=499)
+        except web.HTTPException as e:  # no such route, wrong method
+            where = f"{e.reason}: {request.method} {request.path[:200]}"
+            error = ApiError(e.status, where, code=e.reason.lower().replace(" ", "_"))
             response = web.json_response(error.body(), status=e.status)
         except Exception:
             log.exception("http handler failed", extra={"path": request.path})
-            error = ApiError(500, "internal error", "server_error")
-            response = web.json_response(error.body(), status=500)
+            response = web.json_response(INTERNAL.body(), status=500)
         metrics.HTTP_RESPONSES.labels(name, str(response.status)).inc()
         return response
 
@@ -165,41 +204,65 @@ class OpenAIHttp:
             ) from None
         body = parse(kind, raw)
         if body.model not in self.names:
-            raise ApiError(
-                404,
-                f"the model {body.model[:100]!r} does not exist; this service serves "
-                f"{', '.join(map(repr, self.names))} (GET /v1/models)",
-                "not_found_error",
-                "model",
-                "model_not_found",
-            )
+            raise self._no_model(body.model)
         return body
+
+    def _no_model(self, name: str) -> ApiError:
+        served = ", ".join(map(repr, self.names))
+        return ApiError(
+            404,
+            f"the model {name[:100]!r} does not exist; this service serves {served} "
+            "(GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
 
     # --- completions --------------------------------------------------------------------------
     async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
+        if self.draining:
+            raise ApiError(
+                503, "this gateway is draining; retry (another takes it)", code="draining"
+            )
+        if len(self.calls) >= self.max_calls:
+            raise ApiError(
+                429,
+                f"{self.max_calls} calls in flight on this gateway; retry shortly",
+                "rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
+        task = asyncio.current_task()
+        assert task is not None
+        self.calls.add(task)
+        try:
+            return await self._generate(request, kind)
+        finally:
+            self.calls.discard(task)
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        context = HttpContext(request)
+        context.principal = await self._authenticate(request)  # before the body is read
         body = await self._body(request, kind)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         completion = Completion(kind, body.model, include_usage)
-        context = HttpContext(request)
         chunks = self.service.Generate(to_generate(body), context)
-        cancelled = True  # until the call ends by itself
+        left = True  # whether the client left before the end (until the call ends)
         try:
             first = await _next(chunks)  # errors before any output get their HTTP status
             if body.stream:
-                response = await self._stream(request, completion, first, chunks)
-            else:
-                while first is not None:
-                    completion.add(first)
-                    first = await _next(chunks)
-                response = web.json_response(completion.response())
-            cancelled = False
-            return response
+                response, left = await self._stream(request, completion, first, chunks)
+                return response
+            while first is not None:
+                completion.add(first)
+                first = await _next(chunks)
+            left = False
+            return web.json_response(completion.response())
         except ApiError:
-            cancelled = False
+            left = False
             raise
         finally:
             await chunks.aclose()
-            context.done(cancelled)
+            context.done(cancelled=left)
 
     async def _stream(
         self,
@@ -207,29 +270,37 @@ class OpenAIHttp:
         completion: Completion,
         chunk: generation_pb2.GenerateResponse | None,
         chunks: AsyncIterator[generation_pb2.GenerateResponse],
-    ) -> web.StreamResponse:
-        """Server-sent events, as OpenAI streams: a JSON chunk per event, then [DONE]. A
-        write waits while the client does not read, which stops the request's read cursor
-        as a gRPC stream's flow control does."""
+    ) -> tuple[web.StreamResponse, bool]:
+        """Server-sent events, as OpenAI streams: a JSON chunk per event, then [DONE]; and
+        whether the client left first. A write waits while the client does not read, which
+        stops the request's read cursor as a gRPC stream's flow control does."""
         response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        if opening := completion.first_chunk():
-            await response.write(_sse(opening))
         try:
-            while chunk is not None:
-                for event in completion.chunks(chunk):
-                    await response.write(_sse(event))
-                chunk = await _next(chunks)
-        except ApiError as e:  # (the status line is sent: the error goes as an event)
-            await response.write(_sse(e.body()))
-        await response.write(_sse("[DONE]"))
-        await response.write_eof()
-        return response
+            await response.prepare(request)
+            if opening := completion.first_chunk(chunk):
+                await response.write(_sse(opening))
+            try:
+                while chunk is not None:
+                    for event in completion.chunks(chunk):
+                        await response.write(_sse(event))
+                    chunk = await _next(chunks)
+            except ApiError as e:  # (the status line is sent: the error goes as an event)
+                await response.write(_sse(e.body()))
+            except ConnectionError:
+                raise
+            except Exception:  # a bug: the stream still ends as a client can read it
+                log.exception("http stream failed", extra={"path": request.path})
+                await response.write(_sse(INTERNAL.body()))
+            await response.write(_sse("[DONE]"))
+            await response.write_eof()
+        except ConnectionError:
+            return response, True
+        return response, False
 
     # --- models, health -----------------------------------------------------------------------
-    async def _authenticate(self, request: web.Request) -> None:
+    async def _authenticate(self, request: web.Request):
         try:
-            await self.service.authenticate(HttpContext(request))
+            return await self.service.authenticate(HttpContext(request))
         except Aborted as e:
             raise e.api_error() from None
 
@@ -244,19 +315,16 @@ class OpenAIHttp:
         await self._authenticate(request)
         name = request.match_info["model"]
         if name not in self.names:
-            raise ApiError(
-                404,
-                f"the model {name[:100]!r} does not exist",
-                "not_found_error",
-                "model",
-                "model_not_found",
-            )
+            raise self._no_model(name)
         return web.json_response(self._card(name))
 
     async def _health(self, request: web.Request) -> web.Response:
-        if self.ready():
+        if self.ready() and not self.draining:
             return web.json_response({"status": "serving"})
         return web.json_response({"status": "not serving"}, status=503)
+
+    async def _live(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "alive"})
 
 
 async def _next(chunks) -> generation_pb2.GenerateResponse | None:

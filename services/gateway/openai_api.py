@@ -21,19 +21,22 @@ COMPLETIONS, CHAT = "text_completion", "chat.completion"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless asked not to
 
-# gRPC status -> (HTTP status, OpenAI error type), as the OpenAI API answers the same case.
-HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.CANCELLED: (409, "cancelled"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.INTERNAL: (500, "server_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+# gRPC status -> (HTTP status, OpenAI error type, code), as the OpenAI API answers the same case.
+HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", "permission_denied"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.CANCELLED: (409, "cancelled", "request_cancelled"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.INTERNAL: (500, "server_error", None),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded"),
 }
+# What a client must not send again as it is (the openai client retries 409 and 5xx unless told).
+NOT_RETRIED = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+INT32_MAX = 2**31 - 1
 FINISH = {
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_MAX_SEQ_LEN: "length",
@@ -74,7 +77,7 @@ class ApiError(Exception):
     ) -> ApiError:
         """The gateway's gRPC status as the OpenAI API's error; a field the detail names
         ("max_tokens: ...") becomes `param`, and a retry hint becomes Retry-After."""
-        status, type_ = HTTP_STATUS.get(code, (500, "server_error"))
+        status, type_, openai_code = HTTP_STATUS.get(code, (500, "server_error", None))
         head, sep, _ = details.partition(": ")
         param = head if sep and status == 400 and " " not in head else None
         headers = {}
@@ -83,7 +86,9 @@ class ApiError(Exception):
                 "Retry-After": str(max(1, -(-retry_after_ms // 1000))),  # whole seconds, up
                 "retry-after-ms": str(retry_after_ms),  # (the openai client prefers this one)
             }
-        return cls(status, details, type_, param, code.name.lower(), headers)
+        if code in NOT_RETRIED:
+            headers["x-should-retry"] = "false"
+        return cls(status, details, type_, param, openai_code, headers)
 
 
 # --- requests ----------------------------------------------------------------------------------
@@ -95,8 +100,8 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-PositiveInt = Annotated[int, Field(ge=1)]
-TokenList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+PositiveInt = Annotated[int, Field(ge=1, le=INT32_MAX)]  # (the protos' fields are int32)
+TokenList = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
 
 
 class _Body(_Strict):
@@ -105,7 +110,7 @@ class _Body(_Strict):
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)  # (as vLLM takes it)
+    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)  # (as vLLM takes it)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     n: int | None = None
@@ -195,7 +200,9 @@ def _refuse_unsupported(body: CompletionBody | ChatBody) -> None:
             refuse("best_of", "only best_of = 1 is supported")
         if body.suffix:
             refuse("suffix", "not supported")
-        if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
+        if isinstance(body.prompt, list) and not body.prompt:
+            refuse("prompt", "must not be empty")
+        if isinstance(body.prompt, list) and not isinstance(body.prompt[0], int):
             if len(body.prompt) != 1:
                 refuse("prompt", "one prompt per request (a list of prompts is not supported)")
         return
@@ -263,10 +270,12 @@ class Completion:
     text: list[str] = field(default_factory=list)
     final: generation_pb2.FinalInfo | None = None
 
+    def _name(self, chunk: generation_pb2.GenerateResponse) -> None:
+        if not self.id:
+            self.id = ("cmpl-" if self.kind == COMPLETIONS else "chatcmpl-") + chunk.request_id
+
     def add(self, chunk: generation_pb2.GenerateResponse) -> None:
-        self.id = (
-            self.id or ("cmpl-" if self.kind == COMPLETIONS else "chatcmpl-") + chunk.request_id
-        )
+        self._name(chunk)
         self.text.append(chunk.text)
         if chunk.HasField("final"):
             self.final = chunk.final
@@ -291,8 +300,10 @@ class Completion:
         body["choices"] = [self._choice("".join(self.text), self._finish(), delta=False)]
         return body | self._extensions(usage=True)
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant's role, as OpenAI's do."""
+    def first_chunk(self, chunk: generation_pb2.GenerateResponse) -> dict[str, Any] | None:
+        """Chat streams open with the assistant's role, as OpenAI's do (`chunk`, the stream's
+        first, names the request; it goes out after this with `chunks`)."""
+        self._name(chunk)
         if self.kind != CHAT:
             return None
         body = self._head(chunk=True)

@@ -110,7 +110,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
 
     # --- Generate ---------------------------------------------------------------------------
     async def Generate(self, request, context):
-        call = Call(peer=context.peer())
+        call = Call(peer=context.peer(), protocol=getattr(context, "protocol", "grpc"))
         call.span = telemetry.tracer.start_span(
             "gateway.generate", context=telemetry.extract(context.invocation_metadata())
         )
@@ -175,15 +175,19 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
 
     # --- who is calling, and what they may do -------------------------------------------------
     async def authenticate(self, context) -> Principal:
-        """The caller from its `authorization: Bearer <key>`; UNAUTHENTICATED without one."""
+        """The caller from its `authorization: Bearer <key>`; UNAUTHENTICATED without one. (An
+        HTTP call is authenticated before its body is read: its context holds the caller.)"""
         if self.settings.auth == "off":
             return ANONYMOUS
+        if (who := getattr(context, "principal", None)) is not None:
+            return who
         header = dict(context.invocation_metadata()).get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
-                "an API key is required: metadata `authorization: Bearer <key>`",
+                "an API key is required: `authorization: Bearer <key>` (gRPC metadata, or "
+                "the HTTP header)",
             )
         try:
             return await self._io(self.keys.authenticate, key.strip())
@@ -249,8 +253,8 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             metrics.OPEN_STREAMS.dec()
         call.span.set_attributes({k: v for k, v in record.items() if k != "client"})
         call.span.end()
-        if call.streaming and not call.finish and not self.draining:
-            # (streams cut by a drain are re-attached to)
+        if call.streaming and not call.finish and (call.protocol == "http" or not self.draining):
+            # (gRPC streams cut by a drain are re-attached to; an HTTP client cannot re-attach)
             task = self.loop.create_task(self._cancel_quietly(call.rid))
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
@@ -486,6 +490,12 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             model_version=info.model_version,
         )
 
+    async def cancels_sent(self, timeout: float) -> None:
+        """Waits (up to `timeout`) for the cancels of requests whose client left to go out
+        (a drain that cuts HTTP streams makes some just before the loop stops)."""
+        if self._cancels:
+            await asyncio.wait(list(self._cancels), timeout=timeout)
+
     async def _cancel_quietly(self, rid: str) -> None:
         try:
             await self.scheduler.Cancel(
@@ -636,7 +646,13 @@ def build(settings: GatewaySettings):
     server.start()
     if settings.http_port is not None:
         names = [manifest.get("name", settings.model.label), *settings.http_model_aliases]
-        http = OpenAIHttp(service, names, settings.http_max_body_bytes, lambda: server.serving)
+        http = OpenAIHttp(
+            service,
+            names,
+            settings.http_max_body_bytes,
+            settings.max_concurrent_rpcs,
+            lambda: server.serving,
+        )
         server.ports["http"] = server.run(http.start(settings.host, settings.http_port))
         server.drains.append(http.stop)
     server.watch({"redis reachable": store.ping})
