@@ -104,6 +104,8 @@ def test_the_config_loads_and_its_ports_match_the_manifests(objects):
         container = workloads[service]["spec"]["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["grpc"] == settings.port and ports["metrics"] == settings.metrics_port
+        if service == "gateway":
+            assert ports["http"] == settings.http_port
         assert container["command"][-1] == service
         probe = container["readinessProbe"]["exec"]["command"]
         assert probe[-2:] == ["health", service]
@@ -242,12 +244,16 @@ def test_the_dashboard_shows_exported_metrics():
     assert not missing, f"the dashboard uses metrics nobody exports: {missing}"
 
 
-def test_the_optional_ingress_validates_and_points_at_the_gateway(objects):
-    ingress = yaml.safe_load((K8S / "optional" / "ingress.yaml").read_text())
-    kubernetes_validate.validate(ingress, KUBERNETES_VERSION, strict=True)
-    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+def test_the_optional_ingresses_validate_and_point_at_the_gateway(objects):
+    ingresses = list(yaml.safe_load_all((K8S / "optional" / "ingress.yaml").read_text()))
     gateway = next(
         o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "gateway"
     )
-    assert backend["name"] == "gateway"
-    assert backend["port"]["name"] in {p["name"] for p in gateway["spec"]["ports"]}
+    ports = set()
+    for ingress in ingresses:
+        kubernetes_validate.validate(ingress, KUBERNETES_VERSION, strict=True)
+        backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+        assert backend["name"] == "gateway"
+        assert backend["port"]["name"] in {p["name"] for p in gateway["spec"]["ports"]}
+        ports.add(backend["port"]["name"])
+    assert ports == {"grpc", "http"}  # gRPC and the OpenAI-compatible HTTP API
