@@ -22,10 +22,10 @@ KUBERNETES_VERSION = "1.30"
 # Created by deploy/k8s/dev-secrets.sh (or by whoever runs the cluster): name -> keys.
 SECRETS = {
     "specserve-redis": {"url", "redis.conf"},
-    "specserve-tls": {"ca.pem"}
-    | {f"{s}{suffix}" for s in SETTINGS_BY_SERVICE for suffix in (".pem", "-key.pem")},
+    **{f"specserve-tls-{s}": {"ca.pem", f"{s}.pem", f"{s}-key.pem"} for s in SETTINGS_BY_SERVICE},
     "specserve-api-keys": {"keys.yaml"},
 }
+SERVICES = set(SETTINGS_BY_SERVICE)  # gateway, scheduler, verifier, drafter
 
 
 def render(overlay: str) -> list[dict]:
@@ -122,6 +122,81 @@ def test_pods_run_unprivileged_with_limits(objects):
         for container in template["spec"]["containers"]:
             assert container["resources"]["limits"]["memory"], container["name"]
             assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_every_pod_meets_pod_security_restricted(objects):
+    """What the namespace's `restricted` level refuses at admission, checked here first."""
+    namespace = next(o for o in objects if o["kind"] == "Namespace")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    for owner, template in pod_specs(objects):
+        spec, name = template["spec"], owner["metadata"]["name"]
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec["automountServiceAccountToken"] is False, name
+        for container in spec["containers"] + spec.get("initContainers", []):
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False, (name, container["name"])
+            assert context["capabilities"]["drop"] == ["ALL"], (name, container["name"])
+            if container["image"].startswith("specserve"):
+                assert container["imagePullPolicy"] == "IfNotPresent", (name, container["name"])
+
+
+def test_each_pod_mounts_only_its_own_tls_key(objects):
+    for owner, template in pod_specs(objects):
+        container = template["spec"]["containers"][0]
+        service = container["command"][-1] if "serve" in container.get("command", []) else None
+        secrets = {
+            v["secret"]["secretName"]
+            for v in template["spec"].get("volumes", [])
+            if "secret" in v and v["secret"]["secretName"].startswith("specserve-tls")
+        }
+        assert secrets == ({f"specserve-tls-{service}"} if service else set()), owner["metadata"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions with In) takes these labels."""
+    ok = selector.get("matchLabels", {}).items() <= labels.items()
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In", expression
+        ok = ok and labels.get(expression["key"]) in expression["values"]
+    return ok
+
+
+def test_network_policies_let_in_only_the_gateway_and_keep_redis_to_the_services(objects):
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    assert any(p["spec"]["podSelector"] == {} and "ingress" not in p["spec"] for p in policies)
+    pods = {owner["metadata"]["name"]: t["metadata"]["labels"] for owner, t in pod_specs(objects)}
+    for name, labels in pods.items():
+        rules = [
+            rule
+            for p in policies
+            if selects(p["spec"]["podSelector"], labels)
+            for rule in p["spec"].get("ingress", [])
+        ]
+        open_ports = {p["port"] for r in rules if "from" not in r for p in r["ports"]}
+        assert open_ports == ({"grpc", "http"} if name == "gateway" else set()), name
+        for rule in rules:  # other namespaces (the scrapers) reach the metrics port only
+            if any("namespaceSelector" in f for f in rule.get("from", [])):
+                assert [p["port"] for p in rule["ports"]] == ["metrics"], name
+        if name == "redis":
+            (rule,) = [r for r in rules if r["ports"] != [{"port": "metrics"}]]
+            callers = {
+                n
+                for n, other in pods.items()
+                if any(selects(f["podSelector"], other) for f in rule["from"])
+            }
+            assert callers == {n for n in pods if n.split("-")[0] in SERVICES}, callers
+
+
+def test_no_autoscaled_workload_sets_its_replicas(objects):
+    """An HPA owns the count: a replicas field would reset it on every apply."""
+    for hpa in (o for o in objects if o["kind"] == "HorizontalPodAutoscaler"):
+        target = hpa["spec"]["scaleTargetRef"]
+        workload = next(
+            o
+            for o in objects
+            if o["kind"] == target["kind"] and o["metadata"]["name"] == target["name"]
+        )
+        assert "replicas" not in workload["spec"], target["name"]
 
 
 def test_the_gpu_overlay_gives_each_verifier_a_gpu():

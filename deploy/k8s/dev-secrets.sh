@@ -19,6 +19,10 @@ rm -f "$dir/tls/ca-key.pem"  # the cluster never needs the CA's key
 kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f -
 apply() { kubectl -n "$NS" create secret generic "$@" --dry-run=client -o yaml | kubectl apply -f -; }
 apply specserve-redis --from-file=url="$dir/url" --from-file=redis.conf="$dir/redis.conf"
-apply specserve-tls --from-file="$dir/tls"
+for service in gateway scheduler verifier drafter; do  # a TLS Secret per service: its key only
+  apply "specserve-tls-$service" --from-file=ca.pem="$dir/tls/ca.pem" \
+    --from-file="$service.pem=$dir/tls/$service.pem" \
+    --from-file="$service-key.pem=$dir/tls/$service-key.pem"
+done
 apply specserve-api-keys --from-file=keys.yaml="$dir/keys.yaml"
 echo "dev API key (tenant dev): $key"
