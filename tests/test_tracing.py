@@ -4,16 +4,20 @@ OTLP to a real gRPC OTLP trace collector run by the test), and each service's me
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from concurrent import futures
 
 import grpc
 import pytest
+from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from conftest import cluster_config
 from helpers import generate, request, scrape, wait_until
+from specserve.common.telemetry import StepSampler
 from specserve.local_cluster import LocalCluster
 from specserve.plan import measured_acceptance
 from specserve.v1 import generation_pb2_grpc
@@ -51,7 +55,11 @@ def traced(tmp_path_factory, tiny_model_dir):
     server.start()
     config = cluster_config(
         tiny_model_dir,
-        common={"otlp_endpoint": f"http://127.0.0.1:{port}", "metrics_port": 0},
+        common={
+            "otlp_endpoint": f"http://127.0.0.1:{port}",
+            "metrics_port": 0,
+            "trace_step_sample_ratio": 1.0,  # every step's spans, to check the whole tree
+        },
         verifier={"speculative_decoding": True, "speculation_policy": "fixed"},
     )
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # export within a tenth of a second
@@ -209,3 +217,24 @@ def test_the_planner_reads_acceptance_off_a_running_verifier(traced):
     assert 0 <= measured <= 1
     info = [k for k in page if k.startswith("specserve_verifier_model_info{")]
     assert len(info) == 1 and 'sha256="' in info[0] and page[info[0]] == 1
+
+
+def test_step_spans_are_kept_at_their_own_ratio():
+    """A traced request keeps every span of its own, and only `step_ratio` of its step spans
+    (what runs under a dropped step follows it out); an untraced one keeps none."""
+    random.seed(7)
+    sampler = StepSampler(ratio=1.0, step_ratio=0.1)
+
+    def parent(sampled: bool):
+        flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+        ctx = SpanContext(trace_id=5, span_id=9, is_remote=True, trace_flags=flags)
+        return trace.set_span_in_context(NonRecordingSpan(ctx))
+
+    def kept(name: str, sampled: bool, n: int = 2000) -> int:
+        return sum(
+            sampler.should_sample(parent(sampled), 5, name).decision.is_sampled() for _ in range(n)
+        )
+
+    assert 120 <= kept("verifier.step", True) <= 280  # 10% of 2,000, give or take
+    assert kept("verifier.verify", True) == kept("gateway.generate", True) == 2000
+    assert kept("verifier.step", False) == kept("verifier.verify", False) == 0

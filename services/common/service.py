@@ -17,7 +17,13 @@ log = logging.getLogger(__name__)
 
 def run_service(name: str, config_path: str | None, port: int | None = None) -> int:
     settings = SETTINGS_BY_SERVICE[name].load(config_path, port=port)
-    telemetry.setup(name, settings.log_level, settings.otlp_endpoint, settings.trace_sample_ratio)
+    telemetry.setup(
+        name,
+        settings.log_level,
+        settings.otlp_endpoint,
+        settings.trace_sample_ratio,
+        settings.trace_step_sample_ratio,
+    )
     tls.configure(settings)
     metrics = ""
     if settings.metrics_port is not None:

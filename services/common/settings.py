@@ -102,6 +102,13 @@ class ServiceSettings(BaseSettings):
     trace_sample_ratio: float = Field(
         default=1.0, ge=0, le=1, description="Share of requests traced (decided at the gateway)."
     )
+    trace_step_sample_ratio: float = Field(
+        default=0.01,
+        ge=0,
+        le=1,
+        description="Share of a traced request's decode steps whose spans are kept (a step "
+        "span per step would grow a minutes-long request's trace to thousands of spans).",
+    )
     metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="Prometheus /metrics port; unset = none."
     )

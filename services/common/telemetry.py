@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import random
 import sys
 import time
 
@@ -15,7 +16,16 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import (
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
+
+# Spans made once per decode step, for a whole batch: thousands a minute per verifier.
+STEP_SPANS = frozenset({"verifier.step"})
 
 
 class JsonFormatter(logging.Formatter):
@@ -37,19 +47,54 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class StepSampler(Sampler):
+    """A request's trace is sampled at `ratio` where it starts and followed by every hop
+    (ParentBased); a step span (STEP_SPANS), and so what runs under it, is kept for
+    `step_ratio` of the steps only, so a minutes-long request's trace holds a sample of its
+    steps rather than every one."""
+
+    def __init__(self, ratio: float, step_ratio: float):
+        self.requests = ParentBased(TraceIdRatioBased(ratio))
+        self.step_ratio = step_ratio
+
+    def should_sample(
+        self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+        trace_state=None,
+    ) -> SamplingResult:  # fmt: skip
+        result = self.requests.should_sample(
+            parent_context, trace_id, name, kind, attributes, links, trace_state
+        )
+        if name in STEP_SPANS and result.decision.is_sampled():
+            if random.random() >= self.step_ratio:
+                return SamplingResult(Decision.DROP, None, result.trace_state)
+        return result
+
+    def get_description(self) -> str:
+        return f"StepSampler{{{self.requests.get_description()}, steps={self.step_ratio}}}"
+
+
 def setup(
-    service: str, log_level: str, otlp_endpoint: str | None = None, sample_ratio: float = 1.0
+    service: str,
+    log_level: str,
+    otlp_endpoint: str | None = None,
+    sample_ratio: float = 1.0,
+    step_sample_ratio: float = 1.0,
 ) -> None:
     """JSON logging to stderr (with the current trace id), and a tracer provider named after
-    the service that exports OTLP over gRPC to `otlp_endpoint` (none: spans are not
-    recorded at all). A request's trace follows its parent's sampling decision."""
+    the service that exports OTLP over gRPC to `otlp_endpoint`, or to where the standard
+    OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT says (neither: spans are not recorded at all). The
+    exporter's other OTEL_EXPORTER_OTLP_* variables (headers, certificates, timeout, ...) and
+    OTEL_RESOURCE_ATTRIBUTES apply; OTEL_TRACES_SAMPLER, when set, replaces `StepSampler`."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     handler.addFilter(_add_trace_id)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(log_level)
-    if not otlp_endpoint:
+    from_env = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if not otlp_endpoint and not from_env:
         return  # the API's no-op tracer: no cost
     resource = Resource.create(
         {
@@ -60,12 +105,19 @@ def setup(
             "k8s.pod.name": os.environ.get("POD_NAME", ""),
         }
     )
-    provider = TracerProvider(
-        resource=resource, sampler=ParentBased(TraceIdRatioBased(sample_ratio))
+    sampler = (
+        None
+        if os.environ.get("OTEL_TRACES_SAMPLER")
+        else StepSampler(sample_ratio, step_sample_ratio)
     )
-    provider.add_span_processor(
-        BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True))
-    )
+    if otlp_endpoint:  # (an http:// or https:// scheme says whether it is TLS; none: plaintext)
+        exporter = OTLPSpanExporter(
+            endpoint=otlp_endpoint, insecure=None if "://" in otlp_endpoint else True
+        )
+    else:
+        exporter = OTLPSpanExporter()  # all from OTEL_EXPORTER_OTLP_*
+    provider = TracerProvider(resource=resource, sampler=sampler)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
 
 
