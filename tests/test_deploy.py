@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -28,7 +29,8 @@ SECRETS = {
 SERVICES = set(SETTINGS_BY_SERVICE)  # gateway, scheduler, verifier, drafter
 
 
-def render(overlay: str) -> list[dict]:
+def render(overlay: str | Path) -> list[dict]:
+    """An overlay's objects (a name under overlays/, or a kustomization's folder)."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is needed to render the manifests (.ci/run installs it)"
     out = subprocess.run(
@@ -41,7 +43,7 @@ def render(overlay: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
-@pytest.fixture(scope="module", params=["dev", "gpu", "gpu-tp", "canary"])
+@pytest.fixture(scope="module", params=["dev", "gpu", "gpu-tp", "canary", "gpu-canary"])
 def objects(request) -> list[dict]:
     return render(request.param)
 
@@ -282,6 +284,7 @@ def exported_names() -> set[str]:
 
     for service in SETTINGS_BY_SERVICE:
         importlib.import_module(f"specserve.{service}.metrics")
+    importlib.import_module("specserve.common.grpc_server")  # every service's readiness
     names = set()
     for family in prometheus_client.REGISTRY.collect():
         names.add(family.name)
@@ -332,3 +335,43 @@ def test_the_optional_ingresses_validate_and_point_at_the_gateway(objects):
         assert backend["port"]["name"] in {p["name"] for p in gateway["spec"]["ports"]}
         ports.add(backend["port"]["name"])
     assert ports == {"grpc", "http"}  # gRPC and the OpenAI-compatible HTTP API
+
+
+def test_the_canary_composes_with_the_gpu_overlay():
+    """Stable and canary verifiers both on GPUs: the canary never turns stable pods to CPU."""
+    for o in render("gpu-canary"):
+        if o["kind"] == "StatefulSet" and o["metadata"]["name"].startswith("verifier"):
+            container = o["spec"]["template"]["spec"]["containers"][0]
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1, o["metadata"]
+            assert {"name": "SPECSERVE_VERIFIER_DEVICE", "value": "cuda"} in container["env"]
+
+
+def test_keda_scales_drafters_on_demand_in_place_of_the_cpu_autoscaler(tmp_path):
+    def rel(path: Path) -> str:  # (kustomize takes relative paths only)
+        return os.path.relpath(path, tmp_path)
+
+    kustomization = {
+        "resources": [rel(K8S / "overlays" / "gpu")],
+        "components": [rel(K8S / "components" / "keda")],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    objects = render(tmp_path)
+    assert not [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
+    (scaled,) = [o for o in objects if o["kind"] == "ScaledObject"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "drafter"
+    drafter = next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "drafter"
+    )
+    assert "replicas" not in drafter["spec"]  # KEDA owns the count
+    queries = [t["metadata"]["query"] for t in scaled["spec"]["triggers"]]
+    assert not referenced(queries) - exported_names()  # on series the services export
+    assert all("cpu" not in q for q in queries)
+
+
+def test_the_pod_monitor_scrapes_every_metrics_port(objects):
+    monitor = yaml.safe_load((K8S / "optional" / "pod-monitor.yaml").read_text())
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    for owner, template in pod_specs(objects):
+        ports = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        if "metrics" in ports:
+            assert selects(monitor["spec"]["selector"], template["metadata"]["labels"]), owner

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Gauge
 from grpc_reflection.v1alpha import reflection
 
 from . import tls
@@ -51,6 +52,14 @@ def retrying_channel(address: str, service: str, aio: bool = False) -> grpc.Chan
     return (tls.aio_channel if aio else tls.channel)(address, options)
 
 
+READINESS = Gauge(
+    "specserve_readiness_check_passing",
+    "1 while a readiness check of this process passes, 0 while it fails (check: e.g. "
+    "'redis reachable').",
+    ["check"],
+)
+
+
 class _Serving:
     """What both servers share: readiness from checks, stopping on a failure or a signal."""
 
@@ -69,12 +78,15 @@ class _Serving:
 
     def watch(self, checks: dict[str, Callable[[], bool]], period: float = 1.0) -> None:
         """Keeps health true to readiness until the server stops: SERVING while every check
-        passes, NOT_SERVING while any fails (each change logged with the failing checks)."""
+        passes, NOT_SERVING while any fails (each change logged with the failing checks), and
+        each check's `specserve_readiness_check_passing`."""
 
         def run() -> None:
             failing: list[str] | None = None
             while not self.stopped.is_set():
                 now = [name for name, check in checks.items() if not _passes(check)]
+                for name in checks:
+                    READINESS.labels(name).set(0 if name in now else 1)
                 if now != failing and not self.stopped.is_set():
                     self.set_serving(not now)
                     if now:
