@@ -19,7 +19,7 @@ from specserve.scheduler.placement import (
     tenant_cap,
     under_cap,
 )
-from specserve.verifier.admission import Admission, Refused
+from specserve.verifier.admission import Admission, Refused, cgroup_free_bytes
 
 
 def admission(blocks: int = 64, batch_size: int = 8, reserved: int = 0, **kw) -> Admission:
@@ -186,3 +186,24 @@ def test_a_tenant_holds_at_most_its_share_of_the_slots():
     assert not under_cap("greedy", held, 6)
     assert under_cap("modest", held, 6) and under_cap("new", held, 6)
     assert under_cap("", held, 0)  # no tenant (auth off): never capped
+
+
+def test_the_cpu_kv_budget_follows_the_containers_memory_limit(tmp_path):
+    """A pod sizes its KV by its own limit less its working set, not by the node's RAM."""
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("8589934592\n")  # 8 GiB
+    (v2 / "memory.current").write_text(str(3 << 30))
+    (v2 / "memory.stat").write_text(f"anon {2 << 30}\ninactive_file {1 << 30}\n")
+    assert cgroup_free_bytes(v2) == (8 << 30) - (2 << 30)  # page cache is reclaimable
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_free_bytes(v2) is None  # no limit: the RAM available decides
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(4 << 30))
+    (v1 / "memory.usage_in_bytes").write_text(str(1 << 30))
+    (v1 / "memory.stat").write_text("total_inactive_file 0\n")
+    assert cgroup_free_bytes(tmp_path / "v1") == 3 << 30
+    (v1 / "memory.limit_in_bytes").write_text(str(2**63 - 4096))  # v1's "unlimited"
+    assert cgroup_free_bytes(tmp_path / "v1") is None
+    assert cgroup_free_bytes(tmp_path / "none") is None

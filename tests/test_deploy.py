@@ -375,3 +375,16 @@ def test_the_pod_monitor_scrapes_every_metrics_port(objects):
         ports = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
         if "metrics" in ports:
             assert selects(monitor["spec"]["selector"], template["metadata"]["labels"]), owner
+
+
+def test_torch_threads_follow_the_cpu_request(objects):
+    """Unbounded, torch takes a thread per core of the node and inflates the CPU it reports."""
+    for owner, template in pod_specs(objects):
+        container = template["spec"]["containers"][0]
+        service = owner["metadata"]["name"].split("-")[0]
+        if service not in ("verifier", "drafter"):
+            continue
+        env = {e["name"]: e for e in container["env"]}
+        ref = env[f"SPECSERVE_{service.upper()}_TORCH_THREADS"]["valueFrom"]["resourceFieldRef"]
+        assert ref["resource"] == "requests.cpu" and ref["containerName"] == container["name"]
+        assert "cpu" in container["resources"]["requests"], owner["metadata"]["name"]

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import Gauge
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import Gauge
 
 from . import tls
 

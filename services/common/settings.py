@@ -340,7 +340,11 @@ class VerifierSettings(ServiceSettings):
         default=0, ge=0, description="KV cache budget in tokens; 0 derives it from free memory."
     )
     kv_memory_fraction: float = Field(
-        default=0.3, gt=0, le=0.95, description="Share of free memory at start the KV may use."
+        default=0.3,
+        gt=0,
+        le=0.95,
+        description="Share of free memory at start the KV may use (on the CPU: available RAM, "
+        "or what the container's memory limit leaves if less).",
     )
     kv_block_size: int = Field(
         default=16, ge=1, le=1024, description="Tokens per KV block (the unit of KV memory)."

@@ -129,14 +129,47 @@ def bytes_per_token(model: FlatModel) -> int:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Free accelerator memory, or available RAM for the CPU."""
+    """Free accelerator memory; for the CPU, available RAM, or what the container's memory
+    limit leaves if that is less (a pod on a big node must not size itself by the node)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
+            available = int(line.split()[1]) * 1024
+            left = cgroup_free_bytes()
+            return available if left is None else min(available, left)
     raise RuntimeError("cannot read available memory; set kv_budget_tokens")
+
+
+CGROUP_FILES = (  # (limit, usage, stat, reclaimable page cache in stat): cgroup v2, then v1
+    ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+    (
+        "memory/memory.limit_in_bytes",
+        "memory/memory.usage_in_bytes",
+        "memory/memory.stat",
+        "total_inactive_file",
+    ),
+)
+
+
+def cgroup_free_bytes(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What this process's cgroup may still take before its memory limit: the limit less its
+    working set (usage less reclaimable page cache, as the kubelet counts it); None with no
+    limit or no cgroup."""
+    for limit_file, usage_file, stat_file, inactive_key in CGROUP_FILES:
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text())
+            stat = (root / stat_file).read_text().split("\n")
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # (v1 writes "no limit" as a huge number)
+            return None
+        fields = dict(line.split() for line in stat if line.count(" ") == 1)
+        working_set = usage - int(fields.get(inactive_key, 0))
+        return max(0, int(limit) - working_set)
+    return None
 
 
 def kv_budget(configured: int, fraction: float, model: FlatModel) -> int:
