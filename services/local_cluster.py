@@ -24,7 +24,9 @@ from .supervisor import RestartPolicy, Supervisor, log_to, supervise
 
 START_ORDER = ("scheduler", "drafter", "verifier", "gateway")
 REDIS = "redis"  # the private redis-server, as a member of the cluster
-READY = re.compile(r"SPECSERVE_READY \w+ (\d+)(?: metrics (\d+))?(?: http (\d+))?")
+READY = re.compile(
+    r"SPECSERVE_READY \w+ (\d+)(?: metrics (\d+))?(?: http (\d+))?(?: health (\d+))?"
+)
 
 
 def without_security(config: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +56,7 @@ class Proc:
     port: int = 0
     metrics_port: int | None = None
     http_port: int | None = None  # a gateway's OpenAI-compatible HTTP API
+    health_port: int | None = None  # the plaintext probe port (health_port)
     service: str = ""  # gateway, scheduler, verifier or drafter
     env: dict[str, str] = field(default_factory=dict)  # what it was started with, to restart it
     log_offset: int = 0  # where this start's lines begin in the log (restarts append)
@@ -80,6 +83,7 @@ class Proc:
             self.port = int(m.group(1))
             self.metrics_port = int(m.group(2)) if m.group(2) else None
             self.http_port = int(m.group(3)) if m.group(3) else None
+            self.health_port = int(m.group(4)) if m.group(4) else None
         return m is not None
 
 

@@ -109,8 +109,13 @@ def test_the_config_loads_and_its_ports_match_the_manifests(objects):
         if service == "gateway":
             assert ports["http"] == settings.http_port
         assert container["command"][-1] == service
-        probe = container["readinessProbe"]["exec"]["command"]
-        assert probe[-2:] == ["health", service]
+        assert ports["health"] == settings.health_port  # the kubelet's gRPC probes
+        probes = {
+            k: container[k]["grpc"] for k in ("startupProbe", "livenessProbe", "readinessProbe")
+        }
+        assert {p["port"] for p in probes.values()} == {settings.health_port}
+        assert probes["livenessProbe"]["service"] == probes["startupProbe"]["service"] == "liveness"
+        assert probes["readinessProbe"]["service"] == "readiness"
         mounted = {m["mountPath"] for m in container["volumeMounts"]}
         for path in (settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file):
             assert str(Path(path).parent) in mounted, path

@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent import futures
 from typing import Any, TypeVar
@@ -66,6 +67,7 @@ class _Serving:
     def __init__(self, service_names: Iterable[str]):
         self.service_names = list(service_names)
         self.serving = False  # as health reports it
+        self.last_beat: float | None = None  # monotonic time of the readiness loop's last pass
         self.ports: dict[str, int] = {}  # more ports it serves, by name (for its ready line)
         self.stopped = threading.Event()
         self.failure: str | None = None  # why the server stopped itself (fail), if it did
@@ -85,6 +87,7 @@ class _Serving:
             failing: list[str] | None = None
             while not self.stopped.is_set():
                 now = [name for name, check in checks.items() if not _passes(check)]
+                self.last_beat = time.monotonic()  # (the liveness probe: this loop runs)
                 for name in checks:
                     READINESS.labels(name).set(0 if name in now else 1)
                 if now != failing and not self.stopped.is_set():

@@ -10,6 +10,7 @@ import sys
 import prometheus_client
 
 from . import telemetry, tls
+from .probes import Probes
 from .settings import SETTINGS_BY_SERVICE
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,10 @@ def run_service(name: str, config_path: str | None, port: int | None = None) -> 
     if settings.metrics_port is not None:
         http, _ = prometheus_client.start_http_server(settings.metrics_port, addr=settings.host)
         metrics = f" metrics {http.server_port}"
+    # The kubelet's probes first: bound before the model loads or Redis answers.
+    probes = (
+        Probes(settings.host, settings.health_port) if settings.health_port is not None else None
+    )
     module = importlib.import_module(f"specserve.{name}.server")
     try:
         server, on_stop = module.build(settings)
@@ -36,10 +41,15 @@ def run_service(name: str, config_path: str | None, port: int | None = None) -> 
         log.exception("%s failed to start", name)
         print(f"{name} failed to start: {e}", file=sys.stderr)
         return 1
+    if probes is not None:
+        probes.attach(server)
+        server.ports["health"] = probes.port
     # The bound ports, on a line of their own, for whoever started us with port 0.
     more = "".join(f" {kind} {port}" for kind, port in server.ports.items())
     print(f"SPECSERVE_READY {name} {server.port}{metrics}{more}", flush=True)
     server.run_until_signal(settings.drain_seconds, on_stop)
+    if probes is not None:
+        probes.stop()
     telemetry.shutdown()
     if server.failure:
         print(f"{name} stopped: {server.failure}", file=sys.stderr, flush=True)

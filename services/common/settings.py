@@ -113,6 +113,13 @@ class ServiceSettings(BaseSettings):
         default=None, ge=0, le=65535, description="Prometheus /metrics port; unset = none."
     )
     drain_seconds: float = Field(default=10.0, ge=0, description="Grace period on SIGTERM.")
+    health_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Plaintext grpc.health.v1 for the kubelet's gRPC probes (services "
+        "`liveness` and `readiness`), bound at start; unset = none.",
+    )
     heartbeat_seconds: float = Field(default=1.0, gt=0)
     insecure: bool = Field(
         default=False, description="Plaintext gRPC, no certificates: local development only."
