@@ -126,9 +126,13 @@ def test_the_config_loads_and_its_ports_match_the_manifests(objects):
 def test_pods_run_unprivileged_with_limits(objects):
     for owner, template in pod_specs(objects):
         assert template["spec"]["securityContext"]["runAsNonRoot"] is True, owner["metadata"]
-        for container in template["spec"]["containers"]:
+        spec = template["spec"]
+        for container in spec["containers"] + spec.get("initContainers", []):
             assert container["resources"]["limits"]["memory"], container["name"]
             assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        for volume in spec.get("volumes", []):
+            if "emptyDir" in volume and volume["emptyDir"].get("medium") != "Memory":
+                assert volume["emptyDir"].get("sizeLimit") or volume["name"] == "tmp", volume
 
 
 def test_every_pod_meets_pod_security_restricted(objects):
