@@ -397,3 +397,13 @@ def test_torch_threads_follow_the_cpu_request(objects):
         ref = env[f"SPECSERVE_{service.upper()}_TORCH_THREADS"]["valueFrom"]["resourceFieldRef"]
         assert ref["resource"] == "requests.cpu" and ref["containerName"] == container["name"]
         assert "cpu" in container["resources"]["requests"], owner["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "gpu-tp", "gpu-canary"])
+def test_gpu_overlays_run_the_gpu_image_everywhere(overlay):
+    """The CPU image (CPU-only torch) would refuse device: cuda, canary pods included."""
+    for owner, template in pod_specs(render(overlay)):
+        spec = template["spec"]
+        for container in spec["containers"] + spec.get("initContainers", []):
+            if container["image"].startswith("specserve"):
+                assert container["image"] == "specserve:gpu", (owner["metadata"]["name"], container)

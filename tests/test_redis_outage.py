@@ -12,6 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import cluster_config
 from helpers import wait_until
+from specserve.common.grpc_server import Server
+from specserve.common.probes import Probes
 from specserve.local_cluster import LocalCluster, Proc, free_port
 
 GONE = "redis unreachable; retrying"
@@ -97,3 +99,34 @@ def test_the_probe_port_answers_before_redis_does(tmp_path, tiny_model_dir):
         wait_until(lambda: probe(probes, "readiness") == serving, "ready", timeout=60)
     finally:
         cluster.stop()
+
+
+def test_liveness_fails_while_a_liveness_check_fails():
+    """A process whose own loop or engine is broken stops being live (the kubelet restarts
+    it); one whose readiness check of another service fails stays live."""
+    server = Server("127.0.0.1", 0, ["specserve.v1.Test"])
+    probes = Probes("127.0.0.1", 0, liveness_seconds=1.0)
+    probes.attach(server)
+    engine_ok, redis_ok = [True], [True]
+    server.watch(
+        {"redis reachable": lambda: redis_ok[0]},
+        period=0.05,
+        liveness={"engine": lambda: engine_ok[0]},
+    )
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        wait_until(lambda: probe(probes.port, "readiness") == serving, "ready")
+        assert probe(probes.port, "liveness") == serving
+        redis_ok[0] = False
+        wait_until(lambda: probe(probes.port, "readiness") == not_serving, "not ready")
+        assert probe(probes.port, "liveness") == serving  # another service's outage
+        engine_ok[0] = False
+        wait_until(lambda: probe(probes.port, "liveness") == not_serving, "not live")
+        engine_ok[0] = redis_ok[0] = True
+        wait_until(lambda: probe(probes.port, "liveness") == serving, "live again")
+        assert probe(probes.port, "nonesuch") is None  # NOT_FOUND
+    finally:
+        server.stopped.set()
+        probes.stop()
+        server.grpc.stop(0)

@@ -24,5 +24,6 @@ for service in gateway scheduler verifier drafter; do  # a TLS Secret per servic
     --from-file="$service.pem=$dir/tls/$service.pem" \
     --from-file="$service-key.pem=$dir/tls/$service-key.pem"
 done
+kubectl -n "$NS" delete secret specserve-tls --ignore-not-found  # (the old one held every key)
 apply specserve-api-keys --from-file=keys.yaml="$dir/keys.yaml"
 echo "dev API key (tenant dev): $key"

@@ -53,6 +53,7 @@ def retrying_channel(address: str, service: str, aio: bool = False) -> grpc.Chan
     return (tls.aio_channel if aio else tls.channel)(address, options)
 
 
+LOOP_TIMEOUT_SECONDS = 5.0  # an event loop that takes longer to run a no-op is stuck
 READINESS = Gauge(
     "specserve_readiness_check_passing",
     "1 while a readiness check of this process passes, 0 while it fails (check: e.g. "
@@ -78,17 +79,28 @@ class _Serving:
     def _stop_grpc(self, drain_seconds: float) -> None:
         raise NotImplementedError
 
-    def watch(self, checks: dict[str, Callable[[], bool]], period: float = 1.0) -> None:
+    def watch(
+        self,
+        checks: dict[str, Callable[[], bool]],
+        period: float = 1.0,
+        liveness: dict[str, Callable[[], bool]] | None = None,
+    ) -> None:
         """Keeps health true to readiness until the server stops: SERVING while every check
         passes, NOT_SERVING while any fails (each change logged with the failing checks), and
-        each check's `specserve_readiness_check_passing`."""
+        each check's `specserve_readiness_check_passing`. `liveness` checks (of this process
+        alone: never of Redis or another service) are also readiness checks, and while one
+        fails the loop stops beating `last_beat`, which the probe port's liveness reads: the
+        kubelet restarts a process whose loop or engine is stuck or broken."""
+        alive = {**self._liveness(), **(liveness or {})}
 
         def run() -> None:
             failing: list[str] | None = None
             while not self.stopped.is_set():
-                now = [name for name, check in checks.items() if not _passes(check)]
-                self.last_beat = time.monotonic()  # (the liveness probe: this loop runs)
-                for name in checks:
+                now = [name for name, check in alive.items() if not _passes(check)]
+                if not now:  # (first: a slow readiness check must not hold the beat back)
+                    self.last_beat = time.monotonic()
+                now += [name for name, check in checks.items() if not _passes(check)]
+                for name in [*alive, *checks]:
                     READINESS.labels(name).set(0 if name in now else 1)
                 if now != failing and not self.stopped.is_set():
                     self.set_serving(not now)
@@ -100,6 +112,10 @@ class _Serving:
                 self.stopped.wait(period)
 
         threading.Thread(target=run, name="health", daemon=True).start()
+
+    def _liveness(self) -> dict[str, Callable[[], bool]]:
+        """Liveness checks every server of this kind has."""
+        return {}
 
     def fail(self, reason: str) -> None:
         """Stops the server as a signal would, from a failure it cannot serve past (the
@@ -206,9 +222,16 @@ class AioServer(_Serving):
             raise RuntimeError(f"cannot bind {host}:{port}")
         self.set_serving(False)
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Runs a coroutine on the server's loop, from another thread; its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def _liveness(self) -> dict[str, Callable[[], bool]]:
+        def responds() -> bool:  # (every open stream is a coroutine on this one loop)
+            self.run(asyncio.sleep(0), timeout=LOOP_TIMEOUT_SECONDS)
+            return True
+
+        return {"event loop responding": responds}
 
     def set_serving(self, serving: bool) -> None:
         self.serving = serving

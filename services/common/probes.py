@@ -2,9 +2,10 @@
 gRPC probes (they cannot present the cluster's client certificate, which the service port
 asks for). Bound at the process's start, before the model loads or Redis answers:
 
-- `liveness`: SERVING once the service is built and while its readiness loop
-  (`_Serving.watch`) keeps running (and through a drain); nothing that depends on Redis or
-  another service, so an outage elsewhere restarts nothing;
+- `liveness`: SERVING once the service is built, while its readiness loop (`_Serving.watch`)
+  beats, which it does while the process's own liveness checks pass (the gateway's event
+  loop answers; the verifier's engine steps and succeeds), and through a drain. Nothing
+  that depends on Redis or another service: an outage elsewhere restarts nothing;
 - `readiness` (and ""): the service's readiness, as its own port reports it (Redis
   reachable, not draining, ...).
 """
@@ -17,7 +18,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-LIVENESS_SECONDS = 10.0  # a readiness loop silent this long is stuck: liveness fails
+LIVENESS_SECONDS = 30.0  # no beat of the readiness loop for this long: liveness fails
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -25,8 +26,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class Probes(health_pb2_grpc.HealthServicer):
     """The probe port. `attach` gives it the built service's server (`_Serving`)."""
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, liveness_seconds: float = LIVENESS_SECONDS):
         self.server = None  # the service's, once built
+        self.liveness_seconds = liveness_seconds
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         health_pb2_grpc.add_HealthServicer_to_server(self, self._grpc)
         self.port = self._grpc.add_insecure_port(f"{host}:{port}")
@@ -43,7 +45,7 @@ class Probes(health_pb2_grpc.HealthServicer):
         if service == "liveness":  # (a draining process is alive: its loop has stopped)
             if server is None or server.last_beat is None:
                 return NOT_SERVING  # not started yet
-            recent = time.monotonic() - server.last_beat < LIVENESS_SECONDS
+            recent = time.monotonic() - server.last_beat < self.liveness_seconds
             return SERVING if recent or server.stopped.is_set() else NOT_SERVING
         if service in ("", "readiness"):
             return SERVING if server is not None and server.serving else NOT_SERVING

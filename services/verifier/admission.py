@@ -159,16 +159,17 @@ def cgroup_free_bytes(root: Path = Path("/sys/fs/cgroup")) -> int | None:
     limit or no cgroup."""
     for limit_file, usage_file, stat_file, inactive_key in CGROUP_FILES:
         try:
-            limit = (root / limit_file).read_text().strip()
+            text = (root / limit_file).read_text().strip()
+            limit = None if text == "max" else int(text)
             usage = int((root / usage_file).read_text())
             stat = (root / stat_file).read_text().split("\n")
         except (OSError, ValueError):
             continue
-        if limit == "max" or int(limit) >= 1 << 60:  # (v1 writes "no limit" as a huge number)
+        if limit is None or limit >= 1 << 60:  # (v1 writes "no limit" as a huge number)
             return None
         fields = dict(line.split() for line in stat if line.count(" ") == 1)
         working_set = usage - int(fields.get(inactive_key, 0))
-        return max(0, int(limit) - working_set)
+        return max(0, limit - working_set)
     return None
 
 

@@ -379,12 +379,12 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
     if ranks is not None:
         ranks.watch(on_stuck=server.fail)
     server.watch(
-        {
-            "redis reachable": store.ping,
+        {"redis reachable": store.ping},
+        liveness={  # (a broken model or device is restarted, not failing request after request)
             "decode loop going round": lambda: engine.alive(settings.stall_seconds),
             "steps succeeding": engine.healthy,
             "tensor-parallel ranks in step": lambda: not engine.lost,
-        }
+        },
     )
     log.info(
         "verifier ready",

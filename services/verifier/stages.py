@@ -43,9 +43,10 @@ def stage(name: str, histogram: Histogram | None = None) -> Iterator[Timing]:
 
 @contextmanager
 def step_span(plan: StepPlan) -> Iterator[trace.Span]:
-    """The step's span, in the trace of its first traced sequence and linked to the others';
+    """The step's span, in the trace of its first sampled sequence and linked to the others';
     the plan's metrics."""
     traced = [s.trace_ctx for s in plan.seqs if s.trace_ctx is not None]
+    traced.sort(key=lambda c: not trace.get_current_span(c).get_span_context().trace_flags.sampled)
     links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in traced[1:]]
     metrics.BATCH_SIZE.observe(len(plan.parts))
     for part in plan.parts:
