@@ -15,6 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from specserve.common import models  # noqa: E402
 from specserve.common.settings import ModelRef, ServiceSettings  # noqa: E402
 from specserve.common.store import RequestStore  # noqa: E402
+from specserve.common.tls import dev_tls_config  # noqa: E402
 from specserve.local_cluster import LocalCluster, without_security  # noqa: E402
 from specserve.v1 import generation_pb2_grpc  # noqa: E402
 
@@ -129,6 +130,15 @@ def cluster_config(model_dir: Path | None, **sections) -> dict:
     config = without_security(config)
     for name, values in sections.items():
         config[name].update(values)
+    return config
+
+
+def tls_cluster_config(model_dir: Path | None, certs: dict[str, Path], **sections) -> dict:
+    """`cluster_config` with TLS on every port, from a `make_dev_certs` set."""
+    common = {"insecure": False, **sections.pop("common", {})}
+    config = cluster_config(model_dir, common=common, **sections)
+    for section, values in dev_tls_config(certs).items():
+        config[section].update(values)
     return config
 
 

@@ -18,11 +18,11 @@ import pytest
 import redis
 from openai import DefaultHttpx2Client, OpenAI
 
-from conftest import cluster_config
+from conftest import tls_cluster_config
 from helpers import request, wait_until
 from specserve.common.settings import DEFAULT_TIERS
 from specserve.common.store import req_key
-from specserve.common.tls import dev_tls_config, make_dev_certs
+from specserve.common.tls import make_dev_certs
 from specserve.gateway.keys import KeyStore, quota_keys
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc
@@ -64,9 +64,7 @@ def api(tmp_path_factory, tiny_model_dir, certs):
         "http_model_aliases": [README_MODEL],
         "http_max_body_bytes": MAX_BODY,
     }
-    config = cluster_config(tiny_model_dir, common={"insecure": False}, gateway=gateway)
-    for section, values in dev_tls_config(certs).items():
-        config[section].update(values)
+    config = tls_cluster_config(tiny_model_dir, certs, gateway=gateway)
     cluster = LocalCluster(config, tmp_path_factory.mktemp("http"))
     cluster.start(timeout=180, services=("scheduler", "verifier", "gateway"))
     yield cluster

@@ -14,10 +14,10 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import cluster_config
+from conftest import cluster_config, tls_cluster_config
 from helpers import request
 from specserve.common.settings import DEFAULT_TIERS, Tier
-from specserve.common.tls import dev_tls_config, make_dev_certs
+from specserve.common.tls import make_dev_certs
 from specserve.gateway.audit import AUDIT_STREAM
 from specserve.gateway.keys import KeyStore
 from specserve.local_cluster import ClusterError, LocalCluster
@@ -255,10 +255,9 @@ def certs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tls_cluster(tmp_path_factory, tiny_model_dir, certs):
-    config = cluster_config(tiny_model_dir, common={"insecure": False})
-    for section, values in dev_tls_config(certs).items():
-        config[section].update(values)
-    cluster = LocalCluster(config, tmp_path_factory.mktemp("tls"))
+    cluster = LocalCluster(
+        tls_cluster_config(tiny_model_dir, certs), tmp_path_factory.mktemp("tls")
+    )
     cluster.start(timeout=180, services=("scheduler", "verifier", "gateway"))
     yield cluster
     cluster.stop()
