@@ -28,9 +28,9 @@ from pathlib import Path
 import grpc
 
 from benchmarks import write_results
-from benchmarks.long_output import tiny_model_dir
+from benchmarks.long_output import tiny_config, tiny_model_dir
 from specserve.common.settings import ServiceSettings
-from specserve.local_cluster import LocalCluster, without_security
+from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
@@ -107,18 +107,7 @@ def main() -> None:
     results: dict[str, list[tuple[float, int]]] = {"grpc": [], "http": []}
     with tempfile.TemporaryDirectory() as tmp:
         model = str(tiny_model_dir(Path(tmp), args.models))
-        config = without_security(
-            {
-                "gateway": {"model": {"path": model}, "http_port": 0},
-                "verifier": {
-                    "model": {"path": model},
-                    "dtype": "float32",
-                    "batch_size": 2 * args.concurrency,
-                    "speculative_decoding": False,
-                    "torch_threads": 1,
-                },
-            }
-        )
+        config = tiny_config(model, 2 * args.concurrency, gateway={"http_port": 0})
         cluster = LocalCluster(config, Path(tmp) / "cluster")
         cluster.start(timeout=300, services=("scheduler", "verifier", "gateway"))
         try:

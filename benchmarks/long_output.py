@@ -90,6 +90,24 @@ def tiny_model_dir(root: Path, models_dir: str) -> Path:
     return path
 
 
+def tiny_config(model: str, batch_size: int, gateway: dict | None = None, **verifier) -> dict:
+    """A local cluster's config (plaintext, auth off) for the tiny target at `model`: float32,
+    plain decoding, one torch thread, `batch_size` slots."""
+    return without_security(
+        {
+            "gateway": {"model": {"path": model}, **(gateway or {})},
+            "verifier": {
+                "model": {"path": model},
+                "dtype": "float32",
+                "batch_size": batch_size,
+                "speculative_decoding": False,
+                "torch_threads": 1,
+                **verifier,
+            },
+        }
+    )
+
+
 def tenths(reader: Reader, tokens: int) -> list[float]:
     """Tokens per second over each tenth of the output (by index)."""
     out = []
@@ -111,19 +129,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = str(tiny_model_dir(Path(tmp), args.models))
-        config = without_security(
-            {
-                "gateway": {"model": {"path": model}},
-                "verifier": {
-                    "model": {"path": model},
-                    "dtype": "float32",
-                    "batch_size": args.batch,
-                    "interactive_reserved_slots": 0,
-                    "speculative_decoding": False,
-                    "torch_threads": 1,
-                },
-            }
-        )
+        config = tiny_config(model, args.batch, interactive_reserved_slots=0)
         cluster = LocalCluster(config, Path(tmp) / "cluster")
         started = time.monotonic()
         cluster.start(
