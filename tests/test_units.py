@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from specserve.common.settings import ConfigError, DrafterSettings, VerifierSettings
+from specserve.gateway.tails import Tail
 from specserve.gateway.text import IncrementalDetokenizer, StopTrimmer
 from specserve.verifier.sampling import SamplingParams, target_probs
 
@@ -32,6 +35,24 @@ def test_stop_trimmer(pieces, stops, expected):
     trimmer = StopTrimmer(stops)
     out = "".join(trimmer.push(p) for p in pieces) + trimmer.flush()
     assert out == expected
+
+
+def test_a_stream_cut_as_its_next_batch_arrives_is_still_cut():
+    """A drain cancels the streams it cuts; a batch that arrived in the same loop turn must
+    not swallow the cancel (asyncio.wait_for on Python 3.11 does), or the stream runs on."""
+
+    async def cut_as_a_batch_arrives() -> str:
+        tail = Tail("r", "out:r", "0-0", asyncio.Queue())
+        reading = asyncio.create_task(tail.get(timeout=5))
+        await asyncio.sleep(0)  # (waiting on its queue)
+        tail.queue.put_nowait([("1-0", {"first": "0", "ids": "7"})])
+        reading.cancel()  # (in the same turn: neither has run since)
+        try:
+            return f"returned {await reading}"
+        except asyncio.CancelledError:
+            return f"cut, {tail.queue.qsize()} batch left"
+
+    assert asyncio.run(cut_as_a_batch_arrives()) == "cut, 1 batch left"
 
 
 def test_top_k_and_top_p_restrict_the_distribution():

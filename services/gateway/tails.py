@@ -48,9 +48,12 @@ class Tail:
     reader: _Reader | None = None
 
     async def get(self, timeout: float) -> list[tuple[str, dict[str, str]]] | None:
-        """The next batch of entries, or None after `timeout` seconds without one."""
+        """The next batch of entries, or None after `timeout` seconds without one. (Not
+        `asyncio.wait_for`: on Python 3.11 it returns a batch that arrived just as the caller
+        was cancelled, swallowing the cancel: a drain could not cut the stream.)"""
         try:
-            batch = await asyncio.wait_for(self.queue.get(), timeout)
+            async with asyncio.timeout(timeout):
+                batch = await self.queue.get()
         except TimeoutError:
             return None
         if self.queue.qsize() == MAX_BACKLOG - 1 and self.reader is not None:
