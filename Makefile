@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
 .PHONY: setup install proto proto-check models run test bench bench-load bench-kv bench-learn bench-tp bench-scale bench-http bench-engine gpu-check gpu-bundle lint \
-	clean image image-gpu k8s-secrets k8s-render
+	clean image image-gpu image-models k8s-secrets k8s-render
 
 setup: install proto models
 
@@ -133,6 +133,10 @@ image:
 
 image-gpu:
 	docker build -t specserve:gpu --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
+
+# specserve:latest with the default models' wheels inside (deploy/k8s/components/air-gapped).
+image-models: image
+	docker build -t specserve-models:latest -f Dockerfile.models .
 
 k8s-secrets: install
 	deploy/k8s/dev-secrets.sh

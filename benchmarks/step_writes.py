@@ -2,7 +2,8 @@
 (each step waits for its round trip) against the async writer (the write travels while the
 next step computes).
 
-    python -m benchmarks.step_writes [--tiny] [--aof] [--requests 8] [--tokens 128] [--reps 5]
+    python -m benchmarks.step_writes [--tiny] [--persistence none,everysec,always]
+        [--requests 8] [--tokens 128] [--reps 5]
 
 The verifier's real Engine and block pool in this process, against a private redis-server on
 loopback, plain decoding, float32, with SmolLM2-135M as the target (`specserve models fetch
@@ -13,13 +14,16 @@ all steps / steps), the steps; and the mean time of one step write (commit_step,
 pipelined round trip for the batch, timed around the call) while the step waited for it. The
 step's compute is the synchronous step less its write; the overhead of each writer is its
 step time over that.
-Writes <out>/step_writes[_tiny][_aof].json.
+With --persistence, one Redis per policy (none, or an append-only file fsynced `everysec` or
+`always`, as deployed), runs interleaved: a write's median against none's is what
+persistence costs. Writes <out>/step_writes[_tiny][_persistence].json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -90,6 +94,25 @@ def run(flat: FlatModel, store: TimedStore, args, async_writes: bool, rep: int) 
     }
 
 
+POLICIES = {  # Redis persistence: the server's arguments
+    "none": ["--appendonly", "no"],
+    "everysec": ["--appendonly", "yes", "--appendfsync", "everysec"],
+    "always": ["--appendonly", "yes", "--appendfsync", "always"],  # as deployed
+}
+
+
+def summarize(rows: list[dict]) -> dict:
+    return {
+        "step_ms_median": round(statistics.median(r["step_ms"] for r in rows), 3),
+        "step_ms_spread": [
+            round(min(r["step_ms"] for r in rows), 3),
+            round(max(r["step_ms"] for r in rows), 3),
+        ],
+        "write_ms_median": round(statistics.median(r["write_ms"] for r in rows), 3),
+        "steps": rows[0]["steps"],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--requests", type=int, default=8, help="the batch")
@@ -101,46 +124,50 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--tiny", action="store_true", help="a tiny random Qwen2, not SmolLM2-135M")
     p.add_argument(
-        "--aof",
-        action="store_true",
-        help="Redis with AOF, appendfsync always (as deployed): each write waits for an fsync",
+        "--persistence",
+        default="none",
+        help="Redis persistence, a comma-separated list of none, everysec and always (an "
+        "append-only file with that fsync policy; deployed: always, each write waits for its "
+        "fsync): a Redis each, runs interleaved (default none)",
     )
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
+    policies = args.persistence.split(",")
+    if unknown := set(policies) - set(POLICIES):
+        p.error(f"--persistence: unknown {sorted(unknown)}; choose from {list(POLICIES)}")
     torch.set_num_threads(args.threads)
     flat = FlatModel(tiny_qwen() if args.tiny else smollm2(args))
-    reps: dict[str, list[dict]] = {"sync": [], "async": []}
+    runs = [(policy, writer) for policy in policies for writer in ("sync", "async")]
+    reps: dict[str, list[dict]] = {f"{policy}/{writer}": [] for policy, writer in runs}
     with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        redis = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--save", "", "--dir", tmp]
-            + ["--appendonly", "yes", "--appendfsync", "always"] * args.aof,
-            stdout=subprocess.DEVNULL,
-        )
+        servers, stores = [], {}
         try:
-            base = RequestStore.from_url(f"redis://127.0.0.1:{port}/0")
-            store = TimedStore(base.r, base._probe)
-            store.wait_reachable()
-            store.ensure_queues()
-            for rep in range(args.reps):  # interleaved: the machine's drift hits both alike
-                for name in reps:
-                    reps[name].append(run(flat, store, args, name == "async", rep))
-                    print(name, json.dumps(reps[name][-1]), flush=True)
+            for policy in policies:
+                port = free_port()
+                folder = f"{tmp}/{policy}"
+                os.mkdir(folder)
+                servers.append(
+                    subprocess.Popen(
+                        ["redis-server", "--port", str(port), "--save", "", "--dir", folder]
+                        + POLICIES[policy],
+                        stdout=subprocess.DEVNULL,
+                    )
+                )
+                base = RequestStore.from_url(f"redis://127.0.0.1:{port}/0")
+                stores[policy] = TimedStore(base.r, base._probe)
+                stores[policy].wait_reachable()
+                stores[policy].ensure_queues()
+            for rep in range(args.reps):  # interleaved: the machine's drift hits all alike
+                for policy, writer in runs:
+                    row = run(flat, stores[policy], args, writer == "async", rep)
+                    reps[f"{policy}/{writer}"].append(row)
+                    print(policy, writer, json.dumps(row), flush=True)
         finally:
-            redis.terminate()
-    summary = {
-        name: {
-            "step_ms_median": round(statistics.median(r["step_ms"] for r in rows), 3),
-            "step_ms_spread": [
-                round(min(r["step_ms"] for r in rows), 3),
-                round(max(r["step_ms"] for r in rows), 3),
-            ],
-            "write_ms_median": round(statistics.median(r["write_ms"] for r in rows), 3),
-            "steps": rows[0]["steps"],
-        }
-        for name, rows in reps.items()
-    }
-    compute = summary["sync"]["step_ms_median"] - summary["sync"]["write_ms_median"]
+            for server in servers:
+                server.terminate()
+    summary = {name: summarize(rows) for name, rows in reps.items()}
+    sync = summary[f"{policies[0]}/sync"]
+    compute = sync["step_ms_median"] - sync["write_ms_median"]
     for name in summary:
         summary[name]["overhead_vs_compute"] = round(
             summary[name]["step_ms_median"] / compute - 1, 4
@@ -149,17 +176,26 @@ def main() -> None:
     report = {
         "command": f"python -m benchmarks.step_writes --requests {args.requests} --prompt "
         f"{args.prompt} --tokens {args.tokens} --reps {args.reps} --threads {args.threads} "
-        f"--dtype {args.dtype}" + " --tiny" * args.tiny + " --aof" * args.aof,
+        f"--dtype {args.dtype} --persistence {args.persistence}" + " --tiny" * args.tiny,
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "configuration": f"{target} {args.dtype} target, cpu ({args.threads} threads), plain "
-        f"decoding, in-process engine, batch {args.requests}, private redis-server on loopback "
-        + ("with AOF (appendfsync always)" if args.aof else "without persistence"),
+        f"decoding, in-process engine, batch {args.requests}, a private redis-server on "
+        f"loopback per persistence policy ({', '.join(policies)}), the data folder on "
+        f"{_filesystem(tempfile.gettempdir())}",
         "compute_ms_per_step": round(compute, 3),
-        "writers": summary,
+        "writers": summary,  # "<persistence>/<writer>"
         "reps": reps,
     }
-    name = f"step_writes{'_tiny' if args.tiny else ''}{'_aof' if args.aof else ''}"
+    name = f"step_writes{'_tiny' if args.tiny else ''}"
+    name += "" if policies == ["none"] else "_persistence"
     write_results(report, args.out, name, shown=summary)
+
+
+def _filesystem(path: str) -> str:
+    """The file system a folder is on (an fsync's cost is its disk's)."""
+    out = subprocess.run(["df", "--output=source,fstype", path], capture_output=True, text=True)
+    lines = out.stdout.split("\n")
+    return " ".join(lines[1].split()) if out.returncode == 0 and len(lines) > 1 else "unknown"
 
 
 if __name__ == "__main__":

@@ -29,12 +29,23 @@ def _models(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"{r['name'] + '@' + r['version']:40} {r['state']:12} {r['sha256'][:16]}")
         return 0
-    refs = args.models or [f"{n}@{v}" for n, v in models.DEFAULT_MODELS]
-    for ref in refs:
-        name, _, version = ref.partition("@")
-        if not version:
-            print(f"error: name models as NAME@VERSION, got {ref!r}", file=sys.stderr)
-            return 2
+    refs = [ref.partition("@")[::2] for ref in args.models] or list(models.DEFAULT_MODELS)
+    if bad := next((f"{n}@{v}" for n, v in refs if not v), None):
+        print(f"error: name models as NAME@VERSION, got {bad.rstrip('@')!r}", file=sys.stderr)
+        return 2
+    if args.models_cmd == "wait":
+        missing = models.wait_fetched(refs, cache, args.timeout)
+        if missing:
+            print(
+                f"error: {', '.join(missing)} not in {cache} after {args.timeout:g} s; whoever "
+                "fills it (the models Job on Kubernetes: `kubectl -n specserve logs job/models`) "
+                "has not finished",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{', '.join(f'{n}@{v}' for n, v in refs)}: verified, in {cache}")
+        return 0
+    for name, version in refs:
         path = models.fetch(name, version, cache, force=args.force)
         print(f"{name}@{version}: verified, at {path}")
     return 0
@@ -431,6 +442,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("models", nargs="*", help="NAME@VERSION (default: the default pair)")
     f.add_argument("--force", action="store_true", help="fetch again even if verified")
     msub.add_parser("list", help="show catalog models and whether they are fetched")
+    w = msub.add_parser(
+        "wait",
+        help="wait until models are fetched into the cache by someone else (an init "
+        "container's wait for the Kubernetes models Job); fetches nothing",
+    )
+    w.add_argument("models", nargs="*", help="NAME@VERSION (default: the default pair)")
+    w.add_argument(
+        "--timeout", type=float, default=3600, help="seconds to wait before failing (3600)"
+    )
     m.set_defaults(func=_models)
     return p
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from pod_security import violations
 
 from specserve.common.settings import SETTINGS_BY_SERVICE
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
-KUBERNETES_VERSION = "1.30"
+KUBERNETES_VERSIONS = ("1.30", "1.31", "1.32", "1.33")
 # Created by deploy/k8s/dev-secrets.sh (or by whoever runs the cluster): name -> keys.
 SECRETS = {
     "specserve-redis": {"url", "redis.conf"},
@@ -58,8 +59,9 @@ def pod_specs(objects):
 def test_every_object_validates_against_the_schemas(objects):
     kinds = {obj["kind"] for obj in objects}
     assert {"StatefulSet", "Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler"} <= kinds
-    for obj in objects:
-        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    for version in KUBERNETES_VERSIONS:
+        for obj in objects:
+            kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_every_service_selects_a_pod_on_a_declared_port(objects):
@@ -136,19 +138,135 @@ def test_pods_run_unprivileged_with_limits(objects):
 
 
 def test_every_pod_meets_pod_security_restricted(objects):
-    """What the namespace's `restricted` level refuses at admission, checked here first."""
+    """What the namespace's `restricted` level refuses at admission, checked here first with
+    our own reading of the published rules (tests/pod_security.py)."""
     namespace = next(o for o in objects if o["kind"] == "Namespace")
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     for owner, template in pod_specs(objects):
         spec, name = template["spec"], owner["metadata"]["name"]
-        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert not violations(spec, template["metadata"].get("annotations")), name
         assert spec["automountServiceAccountToken"] is False, name
         for container in spec["containers"] + spec.get("initContainers", []):
-            context = container["securityContext"]
-            assert context["allowPrivilegeEscalation"] is False, (name, container["name"])
-            assert context["capabilities"]["drop"] == ["ALL"], (name, container["name"])
             if container["image"].startswith("specserve"):
                 assert container["imagePullPolicy"] == "IfNotPresent", (name, container["name"])
+
+
+def test_the_pod_security_check_finds_what_restricted_refuses():
+    """The check of the published rules catches each of them (and passes a clean pod)."""
+    clean = {
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [
+            {
+                "name": "c",
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]},
+                },
+            }
+        ],
+        "volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": "x"}}],
+    }
+    assert violations(clean) == []
+    bad = {
+        "hostNetwork": True,
+        "securityContext": {
+            "runAsUser": 0,
+            "sysctls": [{"name": "kernel.msgmax", "value": "1"}],
+            "seLinuxOptions": {"user": "root"},
+        },
+        "initContainers": [
+            {
+                "name": "i",
+                "ports": [{"containerPort": 80, "hostPort": 80}],
+                "securityContext": {
+                    "privileged": True,
+                    "procMount": "Unmasked",
+                    "capabilities": {"add": ["SYS_ADMIN"]},
+                    "seccompProfile": {"type": "Unconfined"},
+                    "appArmorProfile": {"type": "Unconfined"},
+                    "runAsNonRoot": False,
+                },
+            }
+        ],
+        "containers": clean["containers"],
+        "volumes": [{"name": "h", "hostPath": {"path": "/"}}],
+    }
+    rules = {v.split(":")[0] for v in violations(bad, {f"{APPARMOR}/c": "unconfined"})}
+    assert rules == {
+        "host namespaces",
+        "hostPath volumes",
+        "volume types",
+        "non-root user",
+        "sysctls",
+        "SELinux",
+        "privileged",
+        "capabilities",
+        "host ports",
+        "/proc mount",
+        "privilege escalation",
+        "non-root",
+        "seccomp",
+        "AppArmor",
+    }
+
+
+APPARMOR = "container.apparmor.security.beta.kubernetes.io"
+
+
+def test_models_are_fetched_once_by_a_job_into_a_shared_read_only_volume(objects):
+    """The Job alone fetches; every other pod mounts the volume read-only and only waits."""
+    claims = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    (claim,) = [c for c in claims if c["metadata"]["name"] == "specserve-models"]
+    assert claim["spec"]["resources"]["requests"]["storage"]
+    (job,) = [o for o in objects if o["kind"] == "Job"]
+    fetcher = job["spec"]["template"]["spec"]["containers"][0]
+    assert "fetch" in fetcher["command"]
+    assert fetcher["resources"]["requests"]["memory"] and fetcher["resources"]["limits"]["memory"]
+    for owner, template in pod_specs(objects):
+        spec, name = template["spec"], owner["metadata"]["name"]
+        if owner["kind"] == "Job":
+            continue
+        for container in spec["containers"] + spec.get("initContainers", []):
+            assert "fetch" not in container.get("command", []), (name, container["name"])
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] == "models":
+                    assert mount["readOnly"] is True, (name, container["name"])
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        if "models" in volumes:
+            claim_ref = volumes["models"]["persistentVolumeClaim"]
+            assert claim_ref == {"claimName": "specserve-models", "readOnly": True}, name
+            (wait,) = spec["initContainers"]
+            assert wait["command"][-2] == "wait", name
+            assert set(wait["command"][-1:]) <= set(fetcher["command"]), name  # the Job's
+        per_pod = {t["metadata"]["name"] for t in owner["spec"].get("volumeClaimTemplates", [])}
+        assert "models" not in per_pod, name
+
+
+def test_redis_is_never_evicted_by_a_voluntary_disruption(objects):
+    (budget,) = [
+        o
+        for o in objects
+        if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "redis"
+    ]
+    redis_pod = next(t for o, t in pod_specs(objects) if o["metadata"]["name"] == "redis")
+    assert selects(budget["spec"]["selector"], redis_pod["metadata"]["labels"])
+    assert budget["spec"]["maxUnavailable"] == 0
+
+
+def test_air_gapped_clusters_fill_the_models_volume_from_an_image(tmp_path):
+    """The component points the Job at the image holding the wheels; nothing else changes."""
+    kustomization = {
+        "resources": [os.path.relpath(K8S / "overlays" / "gpu", tmp_path)],
+        "components": [os.path.relpath(K8S / "components" / "air-gapped", tmp_path)],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    objects, plain = render(tmp_path), render("gpu")
+    (job,) = [o for o in objects if o["kind"] == "Job"]
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "specserve-models:latest"
+    dockerfile = (K8S.parent.parent / "Dockerfile.models").read_text()
+    assert "PIP_NO_INDEX=1" in dockerfile and "PIP_FIND_LINKS" in dockerfile
+    assert [o for o in objects if o["kind"] != "Job"] == [o for o in plain if o["kind"] != "Job"]
 
 
 def test_each_pod_mounts_only_its_own_tls_key(objects):
@@ -338,7 +456,8 @@ def test_the_optional_ingresses_validate_and_point_at_the_gateway(objects):
     )
     ports = set()
     for ingress in ingresses:
-        kubernetes_validate.validate(ingress, KUBERNETES_VERSION, strict=True)
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(ingress, version, strict=True)
         backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
         assert backend["name"] == "gateway"
         assert backend["port"]["name"] in {p["name"] for p in gateway["spec"]["ports"]}

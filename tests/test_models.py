@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -53,3 +56,26 @@ def test_the_tiny_benchmark_model_is_in_the_catalog_but_not_fetched_by_default()
     assert tiny in models.CATALOG
     assert tiny not in models.DEFAULT_MODELS
     assert all(key in models.CATALOG for key in models.DEFAULT_MODELS)
+
+
+def test_models_wait_waits_for_another_fetch_and_fails_clearly_without_one(tmp_path):
+    """An init container's wait for the Kubernetes models Job: it fetches nothing, ends as
+    soon as the model is verified in the shared cache, and fails naming what is missing."""
+    cli = [sys.executable, "-m", "specserve.cli", "models", "--cache-dir", str(tmp_path), "wait"]
+    ref = "qwen2.5-coder-0.5b-instruct@0.9.0"
+    gone = subprocess.run([*cli, ref, "--timeout", "0.5"], capture_output=True, text=True)
+    assert gone.returncode == 1
+    assert f"{ref} not in {tmp_path} after 0.5 s" in gone.stderr and "job/models" in gone.stderr
+    waiting = subprocess.Popen([*cli, ref, "--timeout", "120"], stdout=subprocess.PIPE, text=True)
+    try:
+        name, _, version = ref.partition("@")
+        fetched = models.model_dir(tmp_path, name, version)
+        fetched.mkdir(parents=True)
+        manifest = {"verified": True, "format": models.FORMAT}
+        (fetched / models.MANIFEST).write_text(json.dumps(manifest))  # (as fetch() leaves it)
+        out, _ = waiting.communicate(timeout=60)
+    finally:
+        waiting.kill()
+    assert waiting.returncode == 0 and f"{ref}: verified" in out
+    bad = subprocess.run([*cli, "no-version", "--timeout", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "NAME@VERSION, got 'no-version'" in bad.stderr

