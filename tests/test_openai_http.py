@@ -23,6 +23,7 @@ from helpers import request, wait_until
 from specserve.common.settings import DEFAULT_TIERS
 from specserve.common.store import req_key
 from specserve.common.tls import make_dev_certs
+from specserve.gateway.audit import AUDIT_STREAM
 from specserve.gateway.keys import KeyStore, quota_keys
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc
@@ -268,10 +269,19 @@ def test_errors_come_in_openai_shape_with_its_statuses(api, certs, keys, key):
         (ok, key, {"Content-Type": "text/plain"}, 415, None),
         (b"{" + b" " * MAX_BODY + b"}", key, {}, 413, None),
     ]
+    r = redis.Redis.from_url(api.redis_url, decode_responses=True)
+    audited_before = r.xlen(AUDIT_STREAM)
     for body, k, headers, status, param in cases:
         got, _, answer = post(api, certs, "/v1/completions", body, k, headers)
         assert got == status, (body if isinstance(body, dict) else body[:40], answer)
         assert error_of(got, answer)["param"] == param, answer
+    # Every refusal is audited, as on the gRPC port (a wrong key's guesses too).
+    wait_until(lambda: r.xlen(AUDIT_STREAM) >= audited_before + len(cases), "refusals audited")
+    rows = [f for _, f in r.xrange(AUDIT_STREAM)][audited_before:]
+    assert {f["protocol"] for f in rows} == {"http"}
+    expected = ["UNAUTHENTICATED"] * 2 + ["NOT_FOUND"] + ["INVALID_ARGUMENT"] * 10
+    assert sorted(f["status"] for f in rows) == sorted(expected)
+    assert sorted(f["tenant"] for f in rows) == [""] * 2 + ["acme"] * 11  # (once known)
     for path, method, status in [("/v1/nothing", "GET", 404), ("/v1/models", "DELETE", 405)]:
         got, _, answer = post(api, certs, path, b"", key, method=method)
         assert got == status and error_of(got, answer)

@@ -6,15 +6,18 @@ before Redis does."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import cluster_config
-from helpers import wait_until
+from helpers import generate, request, wait_until
 from specserve.common.grpc_server import Server
 from specserve.common.probes import Probes
 from specserve.local_cluster import LocalCluster, Proc, free_port
+from specserve.v1 import generation_pb2_grpc
 
 GONE = "redis unreachable; retrying"
 BACK = "redis back after"
@@ -130,3 +133,53 @@ def test_liveness_fails_while_a_liveness_check_fails():
         server.stopped.set()
         probes.stop()
         server.grpc.stop(0)
+
+
+OUTAGE_SECONDS = 300  # five minutes, in real time: every timer that could restart a process
+PROBE_EVERY = 2.0  # seconds between the rounds of probes (the kubelet's liveness period: 10)
+
+
+def test_five_minutes_without_redis_restart_nothing_and_lose_nothing(tmp_path, tiny_model_dir):
+    """Redis unreachable for five minutes under every service, a request running: no process
+    exits and no liveness probe fails (the kubelet restarts nothing), every readiness probe
+    says not ready; once Redis is back, all are ready again and the caught request ends whole."""
+    config = cluster_config(tiny_model_dir, common={"health_port": 0})
+    cluster = LocalCluster(config, tmp_path, redis_aof=True)
+    cluster.start(timeout=180, services=("scheduler", "drafter", "verifier", "gateway"))
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        procs = dict(cluster.procs)
+        for name, proc in procs.items():
+            wait_until(lambda p=proc: probe(p.health_port, "readiness") == serving, name)
+        channel = grpc.insecure_channel(procs["gateway"].address)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        stream = stub.Generate(request(prompt="Once upon a time", max_tokens=1000), timeout=900)
+        first = next(stream)  # running on the verifier
+        cluster.kill_redis()
+        unready: set[str] = set()
+        deadline = time.monotonic() + OUTAGE_SECONDS
+        while time.monotonic() < deadline:
+            for name, proc in procs.items():
+                assert proc.popen.poll() is None, f"{name} exited in the outage: {proc.log_path}"
+                assert probe(proc.health_port, "liveness") == serving, f"{name} not live"
+                if probe(proc.health_port, "readiness") == not_serving:
+                    unready.add(name)
+            time.sleep(PROBE_EVERY)  # (the outage's length is what is tested)
+        assert unready == set(procs)  # each saw Redis go
+        stream.cancel()
+        cluster.start_redis()  # (with AOF: nothing acknowledged is lost)
+        for name, proc in procs.items():
+            wait_until(lambda p=proc: probe(p.health_port, "readiness") == serving, name, 120)
+            assert "Traceback" not in proc.log_text(), name
+        # The stream the outage cut was told to re-attach: its request was never cancelled.
+        assert "cancel after disconnect" not in procs["gateway"].log_text()
+        resumed = generate(
+            stub, request(request_id=first.request_id, resume_from=len(first.token_ids)), 300
+        )
+        indices = [first.first_index, *(c.first_index for c in resumed.chunks)]
+        assert indices == sorted(indices) and resumed.final.finish_reason
+        assert len(first.token_ids) + len(resumed.ids) == resumed.final.usage.completion_tokens
+        channel.close()
+    finally:
+        cluster.stop()

@@ -31,12 +31,14 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
 
     def __init__(self):
         self.spans: list[tuple[str, object]] = []
+        self.environments: set[str] = set()  # the resources' deployment.environment
         self.lock = threading.Lock()
 
     def Export(self, request, context):
         with self.lock:
             for resource_spans in request.resource_spans:
                 attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                self.environments.add(attrs.get("deployment.environment", ""))
                 for scope in resource_spans.scope_spans:
                     self.spans.extend((attrs["service.name"], span) for span in scope.spans)
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -238,3 +240,35 @@ def test_step_spans_are_kept_at_their_own_ratio():
     assert 120 <= kept("verifier.step", True) <= 280  # 10% of 2,000, give or take
     assert kept("verifier.verify", True) == kept("gateway.generate", True) == 2000
     assert kept("verifier.step", False) == kept("verifier.verify", False) == 0
+
+
+def test_the_standard_otel_variables_alone_send_traces(tmp_path, tiny_model_dir, monkeypatch):
+    """No otlp_endpoint in the config: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT says where spans go,
+    OTEL_TRACES_SAMPLER how many, OTEL_RESOURCE_ATTRIBUTES what they carry."""
+    collector = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    for name, value in {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true",
+        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=otel-env-test",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }.items():
+        monkeypatch.setenv(name, value)  # (the services inherit the test's environment)
+    cluster = LocalCluster(cluster_config(tiny_model_dir), tmp_path)
+    try:
+        cluster.start(timeout=180, services=("scheduler", "verifier", "gateway"))
+        with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            generate(stub, request(prompt="hello", max_tokens=4))
+        wait_until(
+            lambda: {"specserve-gateway", "specserve-verifier"} <= {s for s, _ in collector.spans},
+            "spans from the gateway and the verifier",
+        )
+    finally:
+        cluster.stop()
+        server.stop(0)
+    assert collector.environments >= {"otel-env-test"}

@@ -39,6 +39,7 @@ class Call:
     first_token_at: float = 0.0  # monotonic time of the first token sent
     streaming: bool = False  # the request is accepted and its output is being streamed
     finish: str = ""  # the finish reason, once the final chunk went out
+    told_to_reattach: bool = False  # ended by the gateway: re-attach with resume_from
     pool: str = ""  # rollout pool of the verifier that finished it (from the final chunk)
     span: Any = None  # the call's span (gateway.generate)
     trace_ctx: Any = None  # a context holding it: the parent of what the call does

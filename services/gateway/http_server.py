@@ -22,7 +22,8 @@ from aiohttp import web
 from ..common import tls
 from ..v1 import generation_pb2
 from . import metrics
-from .openai_api import CHAT, COMPLETIONS, ApiError, Completion, parse, to_generate
+from .audit import Call
+from .openai_api import CHAT, COMPLETIONS, HTTP_STATUS, ApiError, Completion, parse, to_generate
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ FORWARDED = ("authorization", "traceparent", "tracestate")  # headers the servic
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 CANCEL_WAIT_SECONDS = 5.0  # a drain waits this long for the calls it cut, and their cancels
 INTERNAL = ApiError(500, "internal error", "server_error")
+# An HTTP status as the gRPC status name the same refusal has on the gRPC port (the audit's).
+GRPC_NAME = {status: code.name for code, (status, _, _) in reversed(HTTP_STATUS.items())}
 
 
 class Aborted(Exception):
@@ -241,8 +244,15 @@ class OpenAIHttp:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         context = HttpContext(request)
-        context.principal = await self._authenticate(request)  # before the body is read
-        body = await self._body(request, kind)
+        try:
+            context.principal = await self._authenticate(request)  # before the body is read
+            body = await self._body(request, kind)
+        except ApiError as e:  # (a wrong key, a bad body): audited as on the gRPC port
+            call = Call(peer=context.peer(), protocol=HttpContext.protocol)
+            if context.principal is not None:
+                call.who = context.principal
+            self.service.refused(call, GRPC_NAME.get(e.status, "INVALID_ARGUMENT"))
+            raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         completion = Completion(kind, body.model, include_usage)
         chunks = self.service.Generate(to_generate(body), context)

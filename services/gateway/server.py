@@ -253,8 +253,10 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             metrics.OPEN_STREAMS.dec()
         call.span.set_attributes({k: v for k, v in record.items() if k != "client"})
         call.span.end()
-        if call.streaming and not call.finish and (call.protocol == "http" or not self.draining):
-            # (gRPC streams cut by a drain are re-attached to; an HTTP client cannot re-attach)
+        reattaches = call.protocol == "grpc" and (self.draining or call.told_to_reattach)
+        if call.streaming and not call.finish and not reattaches:
+            # Nobody will read the rest. (A gRPC client cut by a drain, or told to re-attach
+            # after a Redis outage, re-attaches; an HTTP client cannot.)
             task = self.loop.create_task(self._cancel_quietly(call.rid))
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
@@ -262,6 +264,15 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             self.pool.submit(self._settle, call, record)
         except RuntimeError:  # the process is exiting (the pool is shut): settle it here
             self._settle(call, record)
+
+    def refused(self, call: Call, status: str) -> None:
+        """A call the HTTP API refused before it reached `Generate` (a wrong key, a bad
+        body): counted and audited as `_ended` does a refused gRPC call."""
+        metrics.REQUESTS.labels("unknown", status, "none").inc()
+        try:
+            self.pool.submit(self.audit.write, call.record(status))
+        except RuntimeError:  # the process is exiting (the pool is shut)
+            self.audit.write(call.record(status))
 
     def _settle(self, call: Call, record: dict) -> None:
         if call.stream:
@@ -429,6 +440,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                 entries = await tail.get(timeout=1.0)
                 if entries is None:
                     if tail.outage_seconds() > REDIS_OUTAGE_SECONDS:
+                        call.told_to_reattach = True
                         await context.abort(
                             grpc.StatusCode.UNAVAILABLE,
                             f"request state is unavailable; re-attach with resume_from={start}",

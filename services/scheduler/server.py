@@ -135,13 +135,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         return scheduler_pb2.SubmitResponse(existing=code == 1, queue_position=waiting)
 
     def Cancel(self, request, context) -> scheduler_pb2.SchedulerServiceCancelResponse:
-        rec = self.store.get(request.request_id)
-        if rec is None:
-            return scheduler_pb2.SchedulerServiceCancelResponse(cancelled=False)
-        state, owner = self.store.cancel(
-            request.request_id,
-            ended_final("FINISH_REASON_CANCELLED", len(rec.spec.get("prompt_ids", []))),
-        )
+        try:
+            rec = self.store.get(request.request_id)
+            if rec is None:
+                return scheduler_pb2.SchedulerServiceCancelResponse(cancelled=False)
+            state, owner = self.store.cancel(
+                request.request_id,
+                ended_final("FINISH_REASON_CANCELLED", len(rec.spec.get("prompt_ids", []))),
+            )
+        except REDIS_ERRORS as e:  # (Cancel is idempotent: the caller retries)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"request state is unavailable ({e})")
         if state == 2 and owner:
             address = next(
                 (v["address"] for v in self.store.live_verifiers() if v["id"] == owner), None
