@@ -8,14 +8,18 @@ redis-server. The requests are created and claimed in Redis as the scheduler and
 would; a writer process then plays the verifiers: every `--step-ms` each of
 streams / `--batch` verifiers, at its own phase in the step, commits one token to each of its
 `--batch` requests with `RequestStore.commit_step` (one pipelined round trip, as a verifier's
-step does), recording when it sent the commit. One client process holds every stream open
-(grpc.aio, `Generate(request_id, resume_from=0)`, 100 streams a channel; one that ends
-CANCELLED is re-attached from its next index, as a client does) and records when each token
-arrives. The delay of a token is its arrival less its commit's send time (one clock:
+step does), recording when it sent the commit, and after a request's last token ends it, as
+a verifier does. One client process holds every stream open (grpc.aio,
+`Generate(request_id, resume_from=0)`, 100 streams a channel; one that ends CANCELLED is
+re-attached from its next index, as a client does) to its final chunk and records when each
+token arrives. The delay of a token is its arrival less its commit's send time (one clock:
 CLOCK_MONOTONIC); it includes the Redis write, the gateway, the network stack and the client.
 The writer starts once the gateway has opened every stream (each has set its read cursor in
-Redis). Also reported: the 99th percentile by second of the run, the gateway's threads and
-resident memory with no stream open, with all of them open and after, and tokens per second
+Redis). Also reported: the 99th percentile by second of the run; the delay the gateway adds,
+from its own histogram (specserve_gateway_delivery_delay_seconds: from the entry's time in
+Redis, whole milliseconds, to its handing the message to gRPC, so without the send and the
+client's share); full garbage collections in the gateway while streaming; its threads and
+resident memory with no stream open, with all of them open and after; and tokens per second
 delivered.
 Writes <out>/scale_<streams>.json.
 """
@@ -25,9 +29,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import re
 import statistics
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -48,6 +54,22 @@ def proc_status(pid: int) -> dict[str, int]:
         if name in ("Threads", "VmRSS"):
             fields[name] = int(value.split()[0])
     return {"threads": fields["Threads"], "rss_mib": round(fields["VmRSS"] / 1024, 1)}
+
+
+def gateway_metrics(port: int) -> tuple[list[tuple[float, float]], int]:
+    """From the gateway's metrics: specserve_gateway_delivery_delay_seconds as (upper bound
+    in s, count) pairs, and how many full (generation 2) garbage collections it has run."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    pattern = r'^specserve_gateway_delivery_delay_seconds_bucket\{le="([^"]+)"\} (\S+)$'
+    buckets = [(float(m.group(1)), float(m.group(2))) for m in re.finditer(pattern, text, re.M)]
+    full = re.search(r'^python_gc_collections_total\{generation="2"\} (\S+)$', text, re.M)
+    return buckets, int(float(full.group(1))) if full else -1
+
+
+def bucket_quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """The upper bound of the bucket the q-quantile falls in (a histogram's resolution)."""
+    total = buckets[-1][1]
+    return next(bound for bound, count in buckets if count >= q * total)
 
 
 def writer(url: str, rids: list[str], args, start_at: float, out) -> None:
@@ -73,6 +95,12 @@ def writer(url: str, rids: list[str], args, start_at: float, out) -> None:
             for rid in group:
                 sent[rid].append(now)
                 index[rid] += 1
+                if index[rid] == args.expected:  # its last token: it ends, as a verifier ends it
+                    final = {
+                        "finish_reason": "FINISH_REASON_LENGTH",
+                        "usage": {"prompt_tokens": 3, "completion_tokens": args.expected},
+                    }
+                    store.finish(rid, VID, "finished", final, "batch")
         k += 1
     out.put(sent)
 
@@ -94,12 +122,10 @@ async def client(address: str, rids: list[str], args, out) -> None:
             if not counted:
                 opened, counted = opened + 1, True
             try:
-                async for chunk in call:
+                async for chunk in call:  # (to the final chunk the request's end sends)
                     now = time.monotonic()
                     arrived[rid].extend([now] * len(chunk.token_ids))
-                    if len(arrived[rid]) >= args.expected:
-                        call.cancel()
-                        return
+                return
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.CANCELLED:
                     raise
@@ -131,7 +157,7 @@ def main() -> None:
     steps = int(args.seconds * 1000 // args.step_ms)
     args.expected = steps
     with tempfile.TemporaryDirectory() as tmp:
-        config = without_security({"gateway": {"log_level": "WARNING"}})
+        config = without_security({"gateway": {"log_level": "WARNING", "metrics_port": 0}})
         cluster = LocalCluster(config, Path(tmp))
         cluster.start_redis()
         store = RequestStore.from_url(cluster.redis_url)
@@ -158,6 +184,7 @@ def main() -> None:
                 assert time.monotonic() < deadline, "the gateway did not open every stream"
                 time.sleep(0.2)
             loaded = proc_status(gateway.popen.pid)
+            _, full_before = gateway_metrics(gateway.metrics_port)
             start_at = time.monotonic() + 0.5
             sent_q = ctx.Queue()
             writers = ctx.Process(
@@ -169,6 +196,7 @@ def main() -> None:
             writers.join()
             clients.join()
             streaming = proc_status(gateway.popen.pid)
+            delivery, full_after = gateway_metrics(gateway.metrics_port)
         finally:
             cluster.stop()
     delays = sorted(
@@ -208,6 +236,14 @@ def main() -> None:
             "mean": round(statistics.mean(delays), 2) if delays else None,
         },
         "delay_ms_p99_by_second": p99_by_second,
+        # What the gateway adds: commit (the entry's time in Redis) to its message for gRPC,
+        # from its own histogram; a bucket's upper bound, as the histogram resolves it.
+        "gateway_delivery_ms": {
+            q: round(1000 * bucket_quantile(delivery, p), 1)
+            for q, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+        },
+        "gateway_delivery_histogram": [[bound, int(count)] for bound, count in delivery],
+        "gateway_full_gc_while_streaming": full_after - full_before,
         "gateway_process": {"idle": idle, "streams_open": loaded, "after_streaming": streaming},
     }
     write_results(report, args.out, f"scale_{args.streams}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -41,6 +42,11 @@ def run_service(name: str, config_path: str | None, port: int | None = None) -> 
         log.exception("%s failed to start", name)
         print(f"{name} failed to start: {e}", file=sys.stderr)
         return 1
+    # What the build made (modules, the model, the tokenizer) lives as long as the process:
+    # out of the collector's sight, a full collection no longer walks it (each walk paused
+    # every open stream for as long as it took).
+    gc.collect()
+    gc.freeze()
     if probes is not None:
         probes.attach(server)
         server.ports["health"] = probes.port

@@ -22,6 +22,13 @@ TPOT = Histogram(
     ["priority", "pool"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2),
 )
+DELIVERY = Histogram(
+    "specserve_gateway_delivery_delay_seconds",
+    "From a batch of tokens' commit to Redis (its output stream entry's time, on Redis's clock)"
+    " to the gateway's handing it to the client's stream (its message made); entries "
+    "written before their stream opened (a re-attach's catch-up) are not counted.",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+)
 OUTPUT_TOKENS = Counter("specserve_gateway_output_tokens_total", "Tokens streamed to clients.")
 DRAFTED = Counter(
     "specserve_gateway_drafted_tokens_total",

@@ -432,6 +432,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         metrics.OPEN_STREAMS.inc()
         marked = None  # the cursor as last set
         tail = self.tails.open(rid)
+        opened_ms = int(time.time() * 1000)  # entries older than this are a catch-up
         try:
             while True:
                 if marked != start:
@@ -446,7 +447,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                             f"request state is unavailable; re-attach with resume_from={start}",
                         )
                     continue
-                for _, fields in entries:
+                for entry_id, fields in entries:
                     ids = [int(t) for t in fields["ids"].split(",")] if fields.get("ids") else []
                     first = int(fields["first"])
                     if skip := max(0, min(len(ids), start - first)):  # delivered before
@@ -454,6 +455,9 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                         ids, first = ids[skip:], first + skip
                     if ids:
                         text = trimmer.push(detok.add(ids))
+                        committed_ms = int(entry_id.partition("-")[0])
+                        if committed_ms >= opened_ms:  # (not a catch-up)
+                            metrics.DELIVERY.observe(max(0.0, time.time() - committed_ms / 1000))
                         yield generation_pb2.GenerateResponse(
                             request_id=public_id,
                             text=text,

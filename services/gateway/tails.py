@@ -131,6 +131,7 @@ class _Reader:
             return
         outage.succeeded()
         self.failing_since = 0.0
+        batches = []
         for key, entries in resp:
             if key == self.wake_key:
                 self.wake_id = entries[-1][0] if entries else self.wake_id
@@ -140,7 +141,14 @@ class _Reader:
             if tail is None or not entries:
                 continue  # a stream closed meanwhile
             tail.last_id = entries[-1][0]
-            self.tails.loop.call_soon_threadsafe(tail.queue.put_nowait, entries)
+            batches.append((tail.queue, entries))
+        if batches:  # (one wake of the loop for the whole read, not one per stream)
+            self.tails.loop.call_soon_threadsafe(_deliver, batches)
+
+
+def _deliver(batches: list[tuple[asyncio.Queue, list]]) -> None:
+    for queue, entries in batches:
+        queue.put_nowait(entries)
 
 
 class Cursors:
