@@ -202,6 +202,9 @@ def test_each_service_lists_its_metrics(traced):
         assert not missing, f"{service} does not list {missing}"
     gateway = scrape(cluster.procs["gateway"].metrics_port)
     assert gateway["specserve_gateway_output_tokens_total"] >= 4
+    delivered = gateway["specserve_gateway_delivery_delay_seconds_count"]
+    assert delivered >= 1  # (a chunk per stream entry: its tokens' commit to the client's stream)
+    assert gateway["specserve_gateway_delivery_delay_seconds_sum"] < 30 * delivered
     # The scheduler refreshes the gauge every 0.5 s: it may still hold the count from before
     # the verifier's first heartbeat.
     live = 'specserve_scheduler_live_members{kind="verifier"}'
