@@ -30,8 +30,8 @@ def _models(args: argparse.Namespace) -> int:
             print(f"{r['name'] + '@' + r['version']:40} {r['state']:12} {r['sha256'][:16]}")
         return 0
     refs = [ref.partition("@")[::2] for ref in args.models] or list(models.DEFAULT_MODELS)
-    if bad := next((f"{n}@{v}" for n, v in refs if not v), None):
-        print(f"error: name models as NAME@VERSION, got {bad.rstrip('@')!r}", file=sys.stderr)
+    if bad := next((name for name, version in refs if not version), None):
+        print(f"error: name models as NAME@VERSION, got {bad!r}", file=sys.stderr)
         return 2
     if args.models_cmd == "wait":
         missing = models.wait_fetched(refs, cache, args.timeout)

@@ -23,6 +23,7 @@ from ..common import tls
 from ..v1 import generation_pb2
 from . import metrics
 from .audit import Call
+from .keys import ANONYMOUS
 from .openai_api import CHAT, COMPLETIONS, HTTP_STATUS, ApiError, Completion, parse, to_generate
 
 log = logging.getLogger(__name__)
@@ -248,9 +249,8 @@ class OpenAIHttp:
             context.principal = await self._authenticate(request)  # before the body is read
             body = await self._body(request, kind)
         except ApiError as e:  # (a wrong key, a bad body): audited as on the gRPC port
-            call = Call(peer=context.peer(), protocol=HttpContext.protocol)
-            if context.principal is not None:
-                call.who = context.principal
+            who = context.principal or ANONYMOUS
+            call = Call(peer=context.peer(), protocol=HttpContext.protocol, who=who)
             self.service.refused(call, GRPC_NAME.get(e.status, "INVALID_ARGUMENT"))
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

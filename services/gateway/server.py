@@ -260,19 +260,19 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             task = self.loop.create_task(self._cancel_quietly(call.rid))
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
-        try:
-            self.pool.submit(self._settle, call, record)
-        except RuntimeError:  # the process is exiting (the pool is shut): settle it here
-            self._settle(call, record)
+        self._settle_soon(call, record)
 
     def refused(self, call: Call, status: str) -> None:
         """A call the HTTP API refused before it reached `Generate` (a wrong key, a bad
         body): counted and audited as `_ended` does a refused gRPC call."""
         metrics.REQUESTS.labels("unknown", status, "none").inc()
+        self._settle_soon(call, call.record(status))
+
+    def _settle_soon(self, call: Call, record: dict) -> None:
         try:
-            self.pool.submit(self.audit.write, call.record(status))
-        except RuntimeError:  # the process is exiting (the pool is shut)
-            self.audit.write(call.record(status))
+            self.pool.submit(self._settle, call, record)
+        except RuntimeError:  # the process is exiting (the pool is shut): settle it here
+            self._settle(call, record)
 
     def _settle(self, call: Call, record: dict) -> None:
         if call.stream:
