@@ -7,6 +7,7 @@ import secrets
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -19,7 +20,7 @@ from helpers import request
 from specserve.common.settings import DEFAULT_TIERS, Tier
 from specserve.common.tls import make_dev_certs
 from specserve.gateway.audit import AUDIT_STREAM
-from specserve.gateway.keys import KeyStore
+from specserve.gateway.keys import KeyStore, QuotaExceeded, quota_keys
 from specserve.local_cluster import ClusterError, LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -221,6 +222,41 @@ def test_a_client_that_opens_streams_and_never_reads_them_is_capped(secure, keys
             assert time.monotonic() < deadline
             time.sleep(0.2)
     held[1].cancel()
+
+
+def test_the_stream_cap_holds_exactly_at_thousands_of_streams(redis_store):
+    """The cap's script, at the scale of one gateway's streams: 2,000 slots taken by 8
+    gateways' worth of threads at once out of 2,600 tries, not one more; each slot given back
+    frees exactly one."""
+    keys = KeyStore(redis_store.r)
+    cap = 2000
+    limits = Tier(concurrent_streams=cap, requests_per_minute=10**6, tokens_per_minute=10**9)
+    who = keys.authenticate(keys.create("many", "standard", limits))
+
+    def open_streams(ids: range) -> tuple[list[str], list[int]]:
+        taken, refused = [], []
+        for i in ids:
+            try:
+                keys.admit(who, f"s{i}", 10, new_request=False)
+                taken.append(f"s{i}")
+            except QuotaExceeded as e:
+                refused.append(e.retry_after_ms)
+        return taken, refused
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(open_streams, [range(t, 2600, 8) for t in range(8)]))
+    taken = [s for ok, _ in results for s in ok]
+    refused = [ms for _, no in results for ms in no]
+    assert len(taken) == cap and len(refused) == 2600 - cap
+    assert all(ms >= 0 for ms in refused)
+    streams = quota_keys(who.key_id)[1]
+    assert redis_store.r.zcard(streams) == cap
+    keys.release(who, taken[0])
+    again, refused_again = open_streams(range(5000, 5002))
+    assert again == ["s5000"] and len(refused_again) == 1  # the one slot given back, no more
+    for stream in taken[1:] + again:
+        keys.release(who, stream)
+    assert redis_store.r.zcard(streams) == 0
 
 
 def test_the_audit_trail_has_every_call_and_no_text(secure, keys):
