@@ -18,9 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import cluster_config, tls_cluster_config
 from helpers import request
 from specserve.common.settings import DEFAULT_TIERS, Tier
+from specserve.common.store import now_ms
 from specserve.common.tls import make_dev_certs
 from specserve.gateway.audit import AUDIT_STREAM
-from specserve.gateway.keys import KeyStore, QuotaExceeded, quota_keys
+from specserve.gateway.keys import STREAM_MAX_AGE_MS, KeyStore, QuotaExceeded, quota_keys
 from specserve.local_cluster import ClusterError, LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -257,6 +258,27 @@ def test_the_stream_cap_holds_exactly_at_thousands_of_streams(redis_store):
     for stream in taken[1:] + again:
         keys.release(who, stream)
     assert redis_store.r.zcard(streams) == 0
+
+
+def test_a_stream_open_past_the_slot_age_still_counts_while_its_gateway_lives(redis_store):
+    """A gateway touches its open streams' slots (every STREAM_TOUCH_SECONDS): a stream open
+    for longer than STREAM_MAX_AGE_MS (long reasoning) keeps its slot; a dead gateway's
+    slot, not touched, ages out; a slot given back is not taken again by a touch."""
+    keys = KeyStore(redis_store.r)
+    who = keys.authenticate(keys.create("long", "standard", Tier(concurrent_streams=2)))
+    streams = quota_keys(who.key_id)[1]
+    keys.admit(who, "alive", 10, new_request=False)
+    keys.admit(who, "dead-gateway", 10, new_request=False)
+    opened_long_ago = now_ms() - STREAM_MAX_AGE_MS - 1
+    redis_store.r.zadd(streams, {"alive": opened_long_ago, "dead-gateway": opened_long_ago})
+    keys.touch([(who.key_id, "alive")])  # (its gateway's loop does this)
+    keys.admit(who, "new", 10, new_request=False)  # the dead gateway's slot aged out
+    with pytest.raises(QuotaExceeded):  # the long stream's did not
+        keys.admit(who, "one-too-many", 10, new_request=False)
+    assert set(redis_store.r.zrange(streams, 0, -1)) == {"alive", "new"}
+    keys.release(who, "new")
+    keys.touch([(who.key_id, "alive"), (who.key_id, "new")])
+    assert redis_store.r.zrange(streams, 0, -1) == ["alive"]
 
 
 def test_the_audit_trail_has_every_call_and_no_text(secure, keys):

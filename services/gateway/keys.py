@@ -31,6 +31,7 @@ from ..common.store import PREFIX, now_ms
 KEY_PREFIX = "ssk"
 TENANT = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 STREAM_MAX_AGE_MS = 3600 * 1000  # a stream entry older than this is taken for a dead gateway
+STREAM_TOUCH_SECONDS = 300.0  # how often a gateway marks its open streams alive (well under)
 
 
 def key_record(key_id: str) -> str:
@@ -250,6 +251,19 @@ class KeyStore:
             keys=quota_keys(who.key_id),
             args=[stream_id, max(0, unused_tokens), who.limits.tokens_per_minute],
         )
+
+    def touch(self, streams: list[tuple[str, str]]) -> None:
+        """Marks open streams, as (key id, stream id), alive: only a dead gateway's age out,
+        however long a stream runs. A slot given back (or aged out) is not taken again."""
+        if not streams:
+            return
+        now = now_ms()
+        pipe = self.r.pipeline(transaction=False)
+        for key_id, sid in streams:
+            zset = quota_keys(key_id)[1]
+            pipe.zadd(zset, {sid: now}, xx=True)
+            pipe.pexpire(zset, STREAM_MAX_AGE_MS)
+        pipe.execute()
 
 
 def stream_id() -> str:

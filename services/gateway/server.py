@@ -25,7 +25,15 @@ from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2,
 from . import metrics
 from .audit import Audit, Call
 from .http_server import OpenAIHttp
-from .keys import ANONYMOUS, AuthError, KeyStore, Principal, QuotaExceeded, stream_id
+from .keys import (
+    ANONYMOUS,
+    STREAM_TOUCH_SECONDS,
+    AuthError,
+    KeyStore,
+    Principal,
+    QuotaExceeded,
+    stream_id,
+)
 from .tails import Tails
 from .text import IncrementalDetokenizer, StopTrimmer
 from .validation import (
@@ -103,6 +111,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         self.pool = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="gateway-io")
         self.tails = Tails(store, loop)
         self._cancels: set[asyncio.Task] = set()  # cancels of requests whose client left
+        self._slots: dict[str, str] = {}  # open streams' quota slots: stream id -> key id
 
     async def _io(self, fn, *args, **kwargs):
         """Runs blocking work (Redis, the tokenizer, a call to the scheduler) on the pool."""
@@ -232,6 +241,8 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                 grpc.StatusCode.UNAVAILABLE, "quotas are unavailable; retry shortly"
             )
         call.stream = sid
+        if call.who.limits is not None:
+            self._slots[sid] = call.who.key_id
 
     def _ended(self, call: Call, context) -> None:
         """When the RPC ends, however (on the event loop): the metrics; then, on the pool,
@@ -251,6 +262,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             metrics.TPOT.labels(call.priority, pool).observe(per_token)
         if call.streaming:
             metrics.OPEN_STREAMS.dec()
+        self._slots.pop(call.stream, None)
         call.span.set_attributes({k: v for k, v in record.items() if k != "client"})
         call.span.end()
         reattaches = call.protocol == "grpc" and (self.draining or call.told_to_reattach)
@@ -261,6 +273,17 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
         self._settle_soon(call, record)
+
+    async def keep_slots_alive(self) -> None:
+        """Marks every open stream's quota slot alive every STREAM_TOUCH_SECONDS, so that a
+        stream open for longer than STREAM_MAX_AGE_MS (long reasoning) still counts against
+        its key's cap; a slot of a gateway that died still ages out."""
+        while True:
+            await asyncio.sleep(STREAM_TOUCH_SECONDS)
+            try:
+                await self._io(self.keys.touch, [(k, s) for s, k in self._slots.items()])
+            except REDIS_ERRORS:
+                log.warning("stream slots not refreshed; tried again next time")
 
     def refused(self, call: Call, status: str) -> None:
         """A call the HTTP API refused before it reached `Generate` (a wrong key, a bad
@@ -658,6 +681,7 @@ def build(settings: GatewaySettings):
 
     scheduler = scheduler_pb2_grpc.SchedulerServiceStub(server.run(scheduler_channel()))
     service = GenerationService(settings, tokenizer, store, scheduler, manifest, server.loop)
+    asyncio.run_coroutine_threadsafe(service.keep_slots_alive(), server.loop)
     server.grpc.add_generic_rpc_handlers((_handler(service),))
     server.start()
     if settings.http_port is not None:
