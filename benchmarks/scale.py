@@ -18,7 +18,8 @@ The writer starts once the gateway has opened every stream (each has set its rea
 Redis). Also reported: the 99th percentile by second of the run; the delay the gateway adds,
 from its own histogram (specserve_gateway_delivery_delay_seconds: from the entry's time in
 Redis, whole milliseconds, to its handing the message to gRPC, so without the send and the
-client's share); full garbage collections in the gateway while streaming; its threads and
+client's share); the gateway's garbage collections while streaming, by generation, with
+the time they paused it; its threads and
 resident memory with no stream open, with all of them open and after; and tokens per second
 delivered.
 Writes <out>/scale_<streams>.json.
@@ -56,14 +57,33 @@ def proc_status(pid: int) -> dict[str, int]:
     return {"threads": fields["Threads"], "rss_mib": round(fields["VmRSS"] / 1024, 1)}
 
 
-def gateway_metrics(port: int) -> tuple[list[tuple[float, float]], int]:
+def gateway_metrics(port: int) -> tuple[list[tuple[float, float]], dict[str, list[float]]]:
     """From the gateway's metrics: specserve_gateway_delivery_delay_seconds as (upper bound
-    in s, count) pairs, and how many full (generation 2) garbage collections it has run."""
+    in s, count) pairs, and per garbage-collector generation [collections, seconds paused,
+    collections that paused over 10 ms] (specserve_gc_pause_seconds)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     pattern = r'^specserve_gateway_delivery_delay_seconds_bucket\{le="([^"]+)"\} (\S+)$'
     buckets = [(float(m.group(1)), float(m.group(2))) for m in re.finditer(pattern, text, re.M)]
-    full = re.search(r'^python_gc_collections_total\{generation="2"\} (\S+)$', text, re.M)
-    return buckets, int(float(full.group(1))) if full else -1
+    gc = {}
+    for g in "012":
+        series = f'specserve_gc_pause_seconds_%s{{generation="{g}"%s}} (\\S+)$'
+        count, total, short = (
+            float(re.search("^" + series % (kind, le), text, re.M).group(1))
+            for kind, le in (("count", ""), ("sum", ""), ("bucket", ',le="0.01"'))
+        )
+        gc[g] = [count, total, count - short]
+    return buckets, gc
+
+
+def gc_while(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict:
+    return {
+        f"generation_{g}": {
+            "collections": int(after[g][0] - before[g][0]),
+            "paused_ms": round(1000 * (after[g][1] - before[g][1]), 1),
+            "over_10_ms": int(after[g][2] - before[g][2]),
+        }
+        for g in after
+    }
 
 
 def bucket_quantile(buckets: list[tuple[float, float]], q: float) -> float:
@@ -184,7 +204,7 @@ def main() -> None:
                 assert time.monotonic() < deadline, "the gateway did not open every stream"
                 time.sleep(0.2)
             loaded = proc_status(gateway.popen.pid)
-            _, full_before = gateway_metrics(gateway.metrics_port)
+            _, gc_before = gateway_metrics(gateway.metrics_port)
             start_at = time.monotonic() + 0.5
             sent_q = ctx.Queue()
             writers = ctx.Process(
@@ -196,7 +216,7 @@ def main() -> None:
             writers.join()
             clients.join()
             streaming = proc_status(gateway.popen.pid)
-            delivery, full_after = gateway_metrics(gateway.metrics_port)
+            delivery, gc_after = gateway_metrics(gateway.metrics_port)
         finally:
             cluster.stop()
     delays = sorted(
@@ -243,7 +263,7 @@ def main() -> None:
             for q, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
         },
         "gateway_delivery_histogram": [[bound, int(count)] for bound, count in delivery],
-        "gateway_full_gc_while_streaming": full_after - full_before,
+        "gateway_gc_while_streaming": gc_while(gc_before, gc_after),
         "gateway_process": {"idle": idle, "streams_open": loaded, "after_streaming": streaming},
     }
     write_results(report, args.out, f"scale_{args.streams}")

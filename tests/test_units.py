@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from specserve.common.settings import ConfigError, DrafterSettings, VerifierSettings
-from specserve.gateway.tails import Tail
+from specserve.common.store import RequestStore
+from specserve.gateway.tails import Tail, Tails
 from specserve.gateway.text import IncrementalDetokenizer, StopTrimmer
+from specserve.local_cluster import free_port
 from specserve.verifier.sampling import SamplingParams, target_probs
 
 
@@ -42,17 +44,36 @@ def test_a_stream_cut_as_its_next_batch_arrives_is_still_cut():
     not swallow the cancel (asyncio.wait_for on Python 3.11 does), or the stream runs on."""
 
     async def cut_as_a_batch_arrives() -> str:
-        tail = Tail("r", "out:r", "0-0", asyncio.Queue())
-        reading = asyncio.create_task(tail.get(timeout=5))
-        await asyncio.sleep(0)  # (waiting on its queue)
-        tail.queue.put_nowait([("1-0", {"first": "0", "ids": "7"})])
+        tail = Tail("r", "out:r", "0-0")
+        reading = asyncio.create_task(tail.get())
+        await asyncio.sleep(0)  # (waiting for a batch)
+        tail.put([("1-0", {"first": "0", "ids": "7"})])
         reading.cancel()  # (in the same turn: neither has run since)
         try:
             return f"returned {await reading}"
         except asyncio.CancelledError:
-            return f"cut, {tail.queue.qsize()} batch left"
+            return f"cut, {len(tail.backlog)} batch left"
 
     assert asyncio.run(cut_as_a_batch_arrives()) == "cut, 1 batch left"
+
+
+def test_a_waiting_stream_is_woken_when_its_reads_fail():
+    """A stream waits on no timer: its reader wakes it when reads fail, for it to see how
+    long Redis has been gone (and give up after its limit)."""
+
+    async def wait_with_redis_gone() -> tuple[object, float]:
+        store = RequestStore.from_url(f"redis://127.0.0.1:{free_port()}/0")  # nothing there
+        tails = Tails(store, asyncio.get_running_loop())
+        try:
+            tail = tails.open("r")
+            async with asyncio.timeout(30):  # (the client retries for about 6 s first)
+                got = await tail.get()
+            return got, tail.outage_seconds()
+        finally:
+            tails.stop()
+
+    got, outage = asyncio.run(wait_with_redis_gone())
+    assert got is None and outage > 0
 
 
 def test_top_k_and_top_p_restrict_the_distribution():

@@ -7,6 +7,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 
 import prometheus_client
 
@@ -15,6 +16,28 @@ from .probes import Probes
 from .settings import SETTINGS_BY_SERVICE
 
 log = logging.getLogger(__name__)
+
+GC_PAUSE = prometheus_client.Histogram(
+    "specserve_gc_pause_seconds",
+    "How long each collection of the cyclic garbage collector held the interpreter (every "
+    "thread of the process waits), by generation (2: a full collection).",
+    ["generation"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1),
+)
+
+
+def watch_gc_pauses() -> None:
+    """Times every collection into GC_PAUSE."""
+    started = [0.0]
+    by_generation = [GC_PAUSE.labels(str(g)) for g in range(3)]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            by_generation[info["generation"]].observe(time.perf_counter() - started[0])
+
+    gc.callbacks.append(on_gc)
 
 
 def run_service(name: str, config_path: str | None, port: int | None = None) -> int:
@@ -47,6 +70,7 @@ def run_service(name: str, config_path: str | None, port: int | None = None) -> 
     # every open stream for as long as it took).
     gc.collect()
     gc.freeze()
+    watch_gc_pauses()
     if probes is not None:
         probes.attach(server)
         server.ports["health"] = probes.port

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -50,6 +52,13 @@ log = logging.getLogger(__name__)
 REDIS_OUTAGE_SECONDS = 30.0  # a stream waits this long for Redis before it gives up
 NO_DEADLINE_SECONDS = 10 * 365 * 86400  # a client deadline further out than this is none
 REGISTRY_TTL_SECONDS = 1.0  # how long the verifiers' largest KV budget is reused
+# A young collection runs once this many more objects were made than freed (Python's default:
+# 700). What an open stream allocates for a wait lives until its next token, seconds away:
+# at 700, thousands of streams had it collected, promoted through every generation and
+# walked again, and each collection paused every stream (2,000 streams: young and middle
+# collections of up to 30 ms, full ones of 70 ms). At 50,000 it is mostly freed before any
+# collection runs; garbage in cycles still counts towards the next one, so it stays bounded.
+GC_YOUNG_THRESHOLD = 50_000
 # Statuses of the scheduler's that the client can act on, passed through as they are.
 PASS_THROUGH = (
     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -125,10 +134,13 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         )
         call.trace_ctx = trace.set_span_in_context(call.span)
         context.add_done_callback(lambda ctx: self._ended(call, ctx))
-        async for chunk in self._generate(request, context, call):
+        async for chunk in await self._begin(request, context, call):
             yield chunk
 
-    async def _generate(self, request, context, call: Call):
+    async def _begin(self, request, context, call: Call) -> AsyncIterator:
+        """Checks the call, submits a new request, and gives the stream of its chunks. (One
+        generator per stream, not a chain of them: with thousands of streams, each level
+        would allocate per chunk.)"""
         if isinstance(request, _BadBytes):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -136,9 +148,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             )
         call.who = await self.authenticate(context)
         if request.HasField("resume_from"):
-            async for chunk in self._resume(request, context, call):
-                yield chunk
-            return
+            return await self._resume(request, context, call)
         with telemetry.tracer.start_as_current_span("gateway.validate", context=call.trace_ctx):
             try:
                 submit = await self._io(
@@ -155,9 +165,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         await self._open_stream(call, context, new_request=True)
         cached = request.use_result_cache and replayable(submit)
         if cached and (hit := await self._io(self._cached_result, submit)):
-            for chunk in self._replay(call, *hit, list(submit.stop)):
-                yield chunk
-            return
+            return self._replay(call, *hit, list(submit.stop))
         try:
             # Waits out a restarting scheduler (within the deadline); Submit is idempotent.
             await self.scheduler.Submit(
@@ -173,11 +181,16 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable; retry shortly"
             )
+        chunks = self._stream(call, list(submit.stop), context)
+        return self._caching(chunks, submit) if cached else chunks
+
+    async def _caching(self, chunks: AsyncIterator, submit: scheduler_pb2.SubmitRequest):
+        """The chunks as they go, with the result cached when its final chunk comes."""
         ids = []
-        async for chunk in self._stream(call, list(submit.stop), context):
+        async for chunk in chunks:
             ids.extend(chunk.token_ids)
             final = chunk.final if chunk.HasField("final") else None
-            if cached and final and final.model_version:  # keyed on what produced it
+            if final and final.model_version:  # keyed on what produced it
                 key = result_cache_key(submit, final.model_version)
                 await self._io(self._cache_result, key, ids, final)
             yield chunk
@@ -326,7 +339,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         except REDIS_ERRORS:
             log.warning("result cache unavailable")
 
-    def _replay(self, call: Call, ids: list[int], final: dict, stop: list[str]):
+    async def _replay(self, call: Call, ids: list[int], final: dict, stop: list[str]):
         """A cached result as a stream: all its tokens, then the final chunk."""
         rid = call.public_id
         detok = IncrementalDetokenizer(
@@ -381,8 +394,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         call.prompt_tokens = len(record.spec.get("prompt_ids", []))
         call.priority = record.queue
         await self._open_stream(call, context, new_request=False)
-        async for chunk in self._stream(call, list(record.spec.get("stop", [])), context, start):
-            yield chunk
+        return self._stream(call, list(record.spec.get("stop", [])), context, start)
 
     async def _record(self, rid: str, public_id: str, context):
         """The request's record; NOT_FOUND if it does not exist for this caller (another
@@ -461,8 +473,8 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                 if marked != start:
                     self.tails.cursors.set(rid, start)
                     marked = start
-                entries = await tail.get(timeout=1.0)
-                if entries is None:
+                entries = await tail.get()
+                if entries is None:  # (woken by its reader's failing reads)
                     if tail.outage_seconds() > REDIS_OUTAGE_SECONDS:
                         call.told_to_reattach = True
                         await context.abort(
@@ -657,6 +669,7 @@ def _handler(service: GenerationService) -> grpc.GenericRpcHandler:
 
 
 def build(settings: GatewaySettings):
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     path, manifest = models.resolve(settings.model, settings.model_cache_dir)
     manifest = {**manifest, "sha256": models.fingerprint(path, manifest)}
     tokenizer = models.load_tokenizer(path)

@@ -8,11 +8,16 @@ loop. Opening a stream adds its key to a reader and writes the reader's wake key
 blocked XREAD returns and the next one includes it; a closed stream's key is left out of the
 next read.
 
-Memory stays bounded per stream: a reader leaves out of its reads a stream whose queue holds
+Memory stays bounded per stream: a reader leaves out of its reads a stream that holds
 MAX_BACKLOG batches its client has not taken (the verifier pauses a request whose client does
-not read, so its entries wait in Redis, not here); taking from a full queue wakes the reader.
-A Redis outage: the reader retries every half second and a stream's `outage_seconds` says for
-how long its reader's reads have been failing, for it to give up after its limit.
+not read, so its entries wait in Redis, not here); taking from a full backlog wakes the reader.
+A Redis outage: the reader retries every half second, waking its streams each time, and a
+stream's `outage_seconds` says for how long its reader's reads have been failing, for it to
+give up after its limit.
+
+A waiting stream holds one future and nothing else: no queue, no timer. (With thousands of
+streams, what each wait allocates lives until the next token and is promoted through the
+garbage collector's generations; the collections that follow pause every stream.)
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -39,26 +45,41 @@ WAKE_TTL_MS = 60_000
 
 @dataclass(eq=False)
 class Tail:
-    """One open stream: the request, where its reads are, and the queue its entries go to."""
+    """One open stream: the request, where its reads are, and the batches read for it."""
 
     rid: str
     key: str
     last_id: str
-    queue: asyncio.Queue
+    backlog: deque = field(default_factory=deque)  # batches read, not yet taken (loop-owned)
     reader: _Reader | None = None
+    _waiter: asyncio.Future | None = None
 
-    async def get(self, timeout: float) -> list[tuple[str, dict[str, str]]] | None:
-        """The next batch of entries, or None after `timeout` seconds without one. (Not
-        `asyncio.wait_for`: on Python 3.11 it returns a batch that arrived just as the caller
-        was cancelled, swallowing the cancel: a drain could not cut the stream.)"""
-        try:
-            async with asyncio.timeout(timeout):
-                batch = await self.queue.get()
-        except TimeoutError:
-            return None
-        if self.queue.qsize() == MAX_BACKLOG - 1 and self.reader is not None:
-            self.reader.wake()  # it may have left this stream out while the queue was full
+    async def get(self) -> list[tuple[str, dict[str, str]]] | None:
+        """The next batch of entries; None when woken without one (its reader's reads are
+        failing: see `outage_seconds`). A cancel while waiting is never swallowed, even by a
+        batch that arrives in the same loop turn: the batch stays for the next get."""
+        if not self.backlog:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+            if not self.backlog:
+                return None
+        batch = self.backlog.popleft()
+        if len(self.backlog) == MAX_BACKLOG - 1 and self.reader is not None:
+            self.reader.wake()  # it may have left this stream out while its backlog was full
         return batch
+
+    def put(self, entries: list[tuple[str, dict[str, str]]]) -> None:
+        """Adds a batch (on the event loop)."""
+        self.backlog.append(entries)
+        self.poke()
+
+    def poke(self) -> None:
+        """Wakes a waiting `get` (on the event loop)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def outage_seconds(self) -> float:
         """How long its reader's reads have been failing (0: they are not)."""
@@ -116,7 +137,7 @@ class _Reader:
         if not self.has_streams.wait(timeout=1.0):
             return
         with self.lock:
-            live = [t for t in self.streams.values() if t.queue.qsize() < MAX_BACKLOG]
+            live = [t for t in self.streams.values() if len(t.backlog) < MAX_BACKLOG]
             if not self.streams:
                 self.has_streams.clear()
                 return
@@ -127,6 +148,9 @@ class _Reader:
         except REDIS_ERRORS as e:
             outage.failed(e)
             self.failing_since = self.failing_since or time.monotonic()
+            with self.lock:
+                waiting = list(self.streams.values())
+            self.tails.loop.call_soon_threadsafe(_poke, waiting)  # to look at outage_seconds
             self.tails.stopped.wait(0.5)
             return
         outage.succeeded()
@@ -141,14 +165,19 @@ class _Reader:
             if tail is None or not entries:
                 continue  # a stream closed meanwhile
             tail.last_id = entries[-1][0]
-            batches.append((tail.queue, entries))
+            batches.append((tail, entries))
         if batches:  # (one wake of the loop for the whole read, not one per stream)
             self.tails.loop.call_soon_threadsafe(_deliver, batches)
 
 
-def _deliver(batches: list[tuple[asyncio.Queue, list]]) -> None:
-    for queue, entries in batches:
-        queue.put_nowait(entries)
+def _deliver(batches: list[tuple[Tail, list]]) -> None:
+    for tail, entries in batches:
+        tail.put(entries)
+
+
+def _poke(tails: list[Tail]) -> None:
+    for tail in tails:
+        tail.poke()
 
 
 class Cursors:
@@ -202,7 +231,7 @@ class Tails:
 
     def open(self, rid: str, last_id: str = "0-0") -> Tail:
         """Starts reading a request's output after `last_id`. Call from the event loop."""
-        tail = Tail(rid, self.store.layout.out(rid), last_id, asyncio.Queue())
+        tail = Tail(rid, self.store.layout.out(rid), last_id)
         self._reader_for(self.store.layout.shard_of(rid)).add(tail)
         return tail
 
