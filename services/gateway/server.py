@@ -118,6 +118,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         self.audit = Audit(store.r, settings.audit_max_entries)
         self.loop = loop
         self.pool = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="gateway-io")
+        self.settling = ThreadPoolExecutor(1, thread_name_prefix="gateway-settle")
         self.tails = Tails(store, loop)
         self._cancels: set[asyncio.Task] = set()  # cancels of requests whose client left
         self._slots: dict[str, str] = {}  # open streams' quota slots: stream id -> key id
@@ -305,8 +306,11 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         self._settle_soon(call, call.record(status))
 
     def _settle_soon(self, call: Call, record: dict) -> None:
+        """The quota release and the audit record, in order, on one thread of their own:
+        thousands of streams ending at once wake one thread, not the whole pool at once
+        (whose threads then take turns at the interpreter lock with the event loop)."""
         try:
-            self.pool.submit(self._settle, call, record)
+            self.settling.submit(self._settle, call, record)
         except RuntimeError:  # the process is exiting (the pool is shut): settle it here
             self._settle(call, record)
 
