@@ -16,8 +16,10 @@ import redis
 
 from conftest import cluster_config
 from helpers import generate, request, scrape, wait_until
-from specserve.common.store import RequestStore, queued_key, req_key
+from specserve.common.settings import SchedulerSettings
+from specserve.common.store import RequestStore, now_ms, queued_key, req_key
 from specserve.local_cluster import LocalCluster
+from specserve.scheduler.server import Placer
 from specserve.v1 import (
     common_pb2,
     generation_pb2_grpc,
@@ -254,6 +256,49 @@ def test_waiting_batch_work_is_placed_after_a_bounded_run_of_interactive_work(
     order = sorted(admitted, key=admitted.get)
     # i0 was running; then at most `interactive_burst` (2) interactive ones before b.
     assert order.index("b") <= 3, order
+
+
+class OneSlot:
+    """A verifier with one slot, as the placement loop reaches it (`VerifierClients`): it admits
+    into a free slot and refuses while a request runs; with `ends_on_refusal` that request
+    ends just after a refusal (the slot frees in the middle of a placement pass)."""
+
+    def __init__(self, store: RequestStore):
+        self.store, self.running, self.admitted = store, False, []
+        self.ends_on_refusal = False
+
+    def get(self, address: str) -> OneSlot:
+        return self
+
+    def Admit(self, request, timeout=None, metadata=None) -> verifier_pb2.AdmitResponse:
+        if self.running:
+            self.running = not self.ends_on_refusal
+            return verifier_pb2.AdmitResponse(admitted=False, reason="the batch is full")
+        assert self.store.claim(request.request_id, "v1", now_ms()) == 1
+        self.running = True
+        self.admitted.append(request.request_id)
+        return verifier_pb2.AdmitResponse(admitted=True)
+
+
+def test_a_slot_that_frees_while_batch_is_refused_on_its_turn_goes_to_batch(redis_store):
+    """The heartbeat shows the one slot free throughout (it is older than the admissions).
+    After two interactive placements batch goes first; its Admit is refused, as the second
+    still runs, which ends right then: the interactive request next in that pass must not take
+    the slot (the verifier said it had none), so the batch request gets it at the next pass."""
+    row = {"address": "127.0.0.1:9", "capacity": 1, "batch_capacity": 1, "kv_budget": 1000}
+    redis_store.heartbeat("v1", row | {"kv_free": 1000, "block_size": 1, "max_seq_len": 100}, 30)
+    for rid in ["i1", "i2", "i3", "b"]:
+        cls = "batch" if rid == "b" else "interactive"
+        redis_store.create(rid, {"prompt_ids": [1, 2], "max_tokens": 9}, cls, 10)
+    verifier = OneSlot(redis_store)
+    placer = Placer(SchedulerSettings(interactive_burst=2), redis_store, verifier, "test")
+    assert placer.place_some()  # i1
+    verifier.running = False  # i1 ended
+    assert placer.place_some()  # i2: two interactive placements in a row while b waited
+    verifier.ends_on_refusal = True  # i2 ends just after refusing the next Admit (b's)
+    placer.place_some()
+    placer.place_some()
+    assert verifier.admitted == ["i1", "i2", "b"]
 
 
 @SPECULATION

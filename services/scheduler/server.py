@@ -395,7 +395,7 @@ class Placer:
                 target = choose_verifier(candidates, want)
                 if target is None:
                     return False  # fits nowhere now: the class waits (first in, first out)
-                result = self._admit(target.address, rec.request_id, trace_ctx)
+                result = self._admit(target, rec.request_id, trace_ctx)
                 # refused or failed: full for this request for now
                 candidates = [v for v in candidates if v is not target]
             self.waiting[cls].remove(head)
@@ -476,8 +476,9 @@ class Placer:
         if self.store.end_queued(rec.request_id, final, "failed"):
             log.warning("failed", extra={"request_id": rec.request_id, "class": cls, "why": why})
 
-    def _admit(self, address: str, rid: str, trace_ctx) -> bool | None:
+    def _admit(self, target: VerifierLoad, rid: str, trace_ctx) -> bool | None:
         """True if admitted, False if the request no longer needs placing, None to retry."""
+        address = target.address
         try:
             with telemetry.tracer.start_as_current_span(
                 "scheduler.place", context=trace_ctx
@@ -496,7 +497,14 @@ class Placer:
             log.info("placed", extra={"request_id": rid, "verifier": address})
             return True
         rec = self.store.get(rid)
-        return False if rec is None or rec.status != "queued" else None
+        if rec is None or rec.status != "queued":
+            return False
+        # Refused: it had less room than its heartbeat showed. Until the next pass reads the
+        # heartbeats again, it has only the slots it says are free, for every class: a slot
+        # that frees meanwhile goes at the next pass to the class whose turn it is, not to
+        # the class this pass tries next (a batch request refused on its turn would lose it).
+        target.running = max(target.running, target.capacity - resp.free_slots)
+        return None
 
 
 def build(settings: SchedulerSettings):
