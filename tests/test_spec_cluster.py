@@ -95,6 +95,7 @@ def test_concurrent_greedy_requests_equal_the_targets_output(
         assert verifier["specserve_verifier_accepted_tokens_total"] == accepted
         assert verifier["specserve_verifier_accepted_length_count"] > 0
         assert verifier["specserve_verifier_verify_seconds_count"] > 0
+        assert verifier['specserve_gc_pause_seconds_count{generation="0"}'] > 0  # (every service)
         drafter = scrape(cluster.procs["drafter"].metrics_port)
         assert drafter["specserve_drafter_propose_seconds_count"] > 0
         if shape.get("run_ahead"):  # the draft is the target: steps go as assumed
