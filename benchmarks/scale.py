@@ -19,9 +19,8 @@ Redis). Also reported: the 99th percentile by second of the run; the delay the g
 from its own histogram (specserve_gateway_delivery_delay_seconds: from the entry's time in
 Redis, whole milliseconds, to its handing the message to gRPC, so without the send and the
 client's share); the gateway's garbage collections while streaming, by generation, with
-the time they paused it; its threads and
-resident memory with no stream open, with all of them open and after; and tokens per second
-delivered.
+the time they paused it; its threads and resident memory with no stream open, with all of
+them open and after; and tokens per second delivered.
 Writes <out>/scale_<streams>.json.
 """
 

@@ -46,7 +46,8 @@ def test_a_stream_cut_as_its_next_batch_arrives_is_still_cut():
     async def cut_as_a_batch_arrives() -> str:
         tail = Tail("r", "out:r", "0-0")
         reading = asyncio.create_task(tail.get())
-        await asyncio.sleep(0)  # (waiting for a batch)
+        await asyncio.sleep(0)  # one loop turn: the task runs until it waits
+        assert tail._waiter is not None  # (it is waiting for a batch)
         tail.put([("1-0", {"first": "0", "ids": "7"})])
         reading.cancel()  # (in the same turn: neither has run since)
         try:
