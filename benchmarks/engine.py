@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -66,9 +67,20 @@ def spread(samples: list[float], digits: int = 4) -> dict:
     }
 
 
-def timed(fn: Callable[[], object]) -> float:
+def synced(device: torch.device) -> None:
+    """Waits for the work queued on a CUDA device (a no-op on the CPU). Kernels run
+    asynchronously: a clock read right after a call that returns device tensors would time
+    only their launch, and leave their run to whatever is timed next."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds `fn` takes, its work on `device` included."""
+    synced(device)
     started = time.perf_counter()
     fn()
+    synced(device)
     return time.perf_counter() - started
 
 
@@ -105,11 +117,12 @@ def decoder(flat: FlatModel, prompt: list[int]) -> Callable[[int], float]:
     token = int(flat.forward([Segment(kv, prompt)])[0][-1].argmax())
 
     def decode(steps: int) -> float:
-        nonlocal token
-        started = time.perf_counter()
-        for _ in range(steps):
-            token = int(flat.forward([Segment(kv, [token])])[0][-1].argmax())
-        return (time.perf_counter() - started) / steps
+        def run() -> None:
+            nonlocal token
+            for _ in range(steps):
+                token = int(flat.forward([Segment(kv, [token])])[0][-1].argmax())
+
+        return timed(run, flat.device) / steps
 
     return decode
 
@@ -193,7 +206,7 @@ def part_tree(runner: ModelRunner, args) -> dict:
     tree, empty = drafted_tree(16, 3), DraftTree()
 
     def step(t: DraftTree) -> float:
-        elapsed = timed(lambda: runner.verify([seq], [t]))
+        elapsed = timed(lambda: runner.verify([seq], [t]), runner.model.device)
         before.rewind(seq)
         return elapsed
 
@@ -228,7 +241,8 @@ def part_ttft(runner: ModelRunner, args) -> dict:
     chunk = VerifierSettings().max_prefill_tokens
     prompt = random_ids(args.prompt_tokens, 4)
     first_token(runner, prompt[:32], chunk)  # warm up
-    samples = [timed(lambda: first_token(runner, prompt, chunk)) for _ in range(args.reps)]
+    device = runner.model.device
+    samples = [timed(lambda: first_token(runner, prompt, chunk), device) for _ in range(args.reps)]
     return {
         "prompt_tokens": args.prompt_tokens,
         "prefill_chunk_tokens": chunk,
@@ -245,12 +259,15 @@ def batch_step_ms(flat: FlatModel, prompt: list[int], batch: int, steps: int) ->
     rows = flat.forward([Segment(kv, p) for kv, p in zip(kvs, prompts, strict=True)])
     tokens = [int(r[-1].argmax()) for r in rows]
     times = []
-    for _ in range(steps):
-        segments = [Segment(kv, [t]) for kv, t in zip(kvs, tokens, strict=True)]
-        started = time.perf_counter()
+
+    def step(segments: list[Segment]) -> None:
+        nonlocal tokens
         rows = flat.forward(segments)
         tokens = [int(r[-1].argmax()) for r in rows]
-        times.append(time.perf_counter() - started)
+
+    for _ in range(steps):
+        segments = [Segment(kv, [t]) for kv, t in zip(kvs, tokens, strict=True)]
+        times.append(timed(partial(step, segments), flat.device))
     return statistics.median(times) * 1000
 
 
