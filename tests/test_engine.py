@@ -163,6 +163,11 @@ def test_non_finite_logits_end_only_their_sequence(poisoned, store, sampled):
     assert engine.healthy()
 
 
+@pytest.mark.skipif(
+    DEVICE != "cpu",
+    reason="on CUDA a token past the embedding table is a device-side assert, which ends the "
+    "process's CUDA context rather than one pass (the gateway refuses such tokens)",
+)
 def test_a_failing_forward_pass_is_attributed_to_its_sequence(tiny_model, store):
     engine = make_engine(tiny_model, store)
     seqs = [admit(engine, store, f"ok{i}", p) for i, p in enumerate(PROMPTS)]
@@ -385,7 +390,7 @@ def test_a_sampled_sequence_draws_the_same_tokens_through_preemption(tiny_model,
         ]
         for i, seq in enumerate(seqs):
             seq.params = SamplingParams(temperature=1.0, seed=i)
-            seq.generator = torch.Generator().manual_seed(i)
+            seq.generator = torch.Generator(DEVICE).manual_seed(i)  # where the logits are
         run(engine)
         outputs.append(([s.output_ids for s in seqs], sum(s.preemptions for s in seqs)))
     assert outputs[0][1] == 0 and outputs[1][1] > 0

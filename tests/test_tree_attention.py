@@ -56,7 +56,8 @@ def test_keeping_an_accepted_path_leaves_the_cache_of_that_path(tiny_model):
     seq.kv.keep(seq.kv.length - len(tree), [a, b])
     assert seq.kv.length == len(prompt) + 2
     (after,) = flat.forward([Segment(seq.kv, [11])])
-    torch.testing.assert_close(after[0], hf_last_logits(tiny_model, prompt + [7, 9, 11]))
+    expected = hf_last_logits(tiny_model, prompt + [7, 9, 11])
+    torch.testing.assert_close(after[0], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_one_batch_of_sequences_equals_separate_passes(tiny_model):
