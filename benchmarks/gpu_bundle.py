@@ -66,6 +66,19 @@ WHEELS = [
     "cffi",
     "pycparser",
     "prometheus-client",
+    "aiohttp",  # the gateway's HTTP API (imported with the gateway)
+    "aiohappyeyeballs",
+    "aiosignal",
+    "attrs",
+    "frozenlist",
+    "multidict",
+    "propcache",
+    "yarl",
+    "idna",
+    "pytest",  # the tests stage (an image may have none, or older plugins: not loaded there)
+    "pluggy",
+    "iniconfig",
+    "pygments",
     "pytest-timeout",
 ]
 PLATFORMS = [

@@ -63,7 +63,16 @@ QUICK_TESTS = [
     "tests/test_engine.py::test_a_temperature_near_zero_is_greedy",
 ]
 # Imports the bundle's wheels provide: one missing, and they are installed.
-NEEDED_MODULES = ("grpc", "grpc_health", "pydantic_settings", "redis", "opentelemetry")
+NEEDED_MODULES = (
+    "grpc",
+    "grpc_health",
+    "pydantic_settings",
+    "redis",
+    "opentelemetry",
+    "aiohttp",
+    "pytest",
+    "pytest_timeout",
+)
 
 
 class Check:
@@ -140,9 +149,11 @@ class Check:
             tests.append("tests/test_default_model.py")  # the default pair against HF
         junit = str(self.out / "junit.xml")
         pytest = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
-        pytest += ["--timeout", "180", f"--junitxml={junit}", *tests]
+        pytest += ["-p", "pytest_timeout", "--timeout", "180", f"--junitxml={junit}", *tests]
         limit = 150 if self.args.quick else 330
-        env = {"SPECSERVE_TEST_DEVICE": self.args.device}
+        # Only the plugins named here: a machine's own (its image's pytest plugins, perhaps
+        # built for another pytest than the bundle's) stay out of the run.
+        env = {"SPECSERVE_TEST_DEVICE": self.args.device, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
         return Stage("tests", pytest, limit, Summaries.junit(junit), env)
 
     def target_weights_here(self) -> bool:

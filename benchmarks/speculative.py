@@ -143,7 +143,8 @@ def start_drafter(cluster: LocalCluster, settings: dict, port: int) -> str:
 
 
 def wanted(label: str, args) -> bool:
-    return not args.only or label == "plain" or any(o in label for o in args.only)
+    """Whether --only asks for the row `label` (each system's plain row always runs)."""
+    return not args.only or label in ("plain", "hf plain") or any(o in label for o in args.only)
 
 
 def run_cluster(args) -> dict[str, dict[str, dict]]:
@@ -239,13 +240,14 @@ def run_hf(args) -> dict[str, dict[str, dict]]:
     draft_path, _ = models.resolve(draft_ref, cache)
     tok = models.load_tokenizer(target_path)
     target = models.load_model(target_path, args.device, args.dtype)
-    drafts = [models.load_model(draft_path, args.device, args.dtype)]
-    drafts.append(models.load_model(draft_path, args.device, "int8"))
     variants = {"hf plain": {}}
-    for draft in drafts:  # labelled by the dtype the loaded draft runs in
-        variants[f"hf assistant_model (draft {SHORT[models.loaded_dtype(draft)]})"] = {
-            "assistant_model": draft
-        }
+    for dtype in (args.dtype, "int8"):  # only the drafts a row asks for are loaded
+        if wanted(f"hf assistant_model (draft {SHORT[dtype]})", args):
+            draft = models.load_model(draft_path, args.device, dtype)
+            # labelled by the dtype the loaded draft runs in
+            variants[f"hf assistant_model (draft {SHORT[models.loaded_dtype(draft)]})"] = {
+                "assistant_model": draft
+            }
     variants["hf prompt_lookup 10"] = {"prompt_lookup_num_tokens": 10}
 
     def chat(prompt: str) -> list[int]:
@@ -255,7 +257,7 @@ def run_hf(args) -> dict[str, dict[str, dict]]:
 
     results: dict[str, dict[str, dict]] = {}
     for name, extra in variants.items():
-        if args.only and name != "hf plain" and not any(o in name for o in args.only):
+        if not wanted(name, args):
             continue
         hf_stream(target, chat(WARM_UP[0]), WARM_UP[1], tok.eos_token_id, extra)
         results[name] = {}
@@ -278,7 +280,13 @@ def summarise(results: dict[str, dict[str, dict]]) -> None:
 
 
 def chart(results: dict[str, dict[str, dict]], path: Path) -> None:
-    import matplotlib
+    """The chart, where matplotlib is installed (a GPU machine's image may lack it; the JSON
+    holds every figure)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no {path.name}", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
