@@ -33,19 +33,14 @@ class ModelRunner:
     ) -> list[torch.Tensor]:
         """Target logits per sequence: [nodes + 1, vocab]; row 0 follows the last pending token
         fed and row i + 1 follows tree node i. Each sequence feeds `takes` of its pending tokens
-        (all when None; fewer: a prefill chunk, whose logits mean nothing yet)."""
-        started = time.perf_counter()
+        (all when None; fewer: a prefill chunk, whose logits mean nothing yet). On a device the
+        logits may still be being computed when this returns."""
         segments = []
-        prefilling = [seq for seq in seqs if seq.prefilling]
         for seq, tree, take in zip(seqs, trees, takes or [None] * len(seqs), strict=True):
             if seq.kv is None:  # (admission gives every served sequence its KV)
                 seq.kv = self.model.new_kv()
             segments.append(tree_segment(seq, tree, take))
-        logits = self.model.forward(segments)  # (selection runs where they are)
-        elapsed_ms = (time.perf_counter() - started) * 1000
-        for seq in prefilling:
-            seq.prefill_ms += elapsed_ms
-        return logits
+        return self.model.forward(segments)  # (selection runs where they are)
 
     def verify_each(
         self, seqs: list[Sequence], trees: list[DraftTree], takes: list[int | None]
@@ -53,7 +48,10 @@ class ModelRunner:
         """`verify`, with a failure kept to the sequences it belongs to: per sequence its
         logits, or the error that stops it (its KV back where it was). A failed batched pass is
         run again one sequence at a time, so the others get the rows they would have got; rows
-        holding NaN or inf (a float16 overflow, say) are that sequence's error."""
+        holding NaN or inf (a float16 overflow, say) are that sequence's error. Prefilling
+        sequences are charged the pass's time, up to its logits being on hand (`prefill_ms`)."""
+        started = time.perf_counter()
+        prefilling = [seq for seq in seqs if seq.prefilling]
         computed = [seq.num_computed for seq in seqs]
         try:
             results = self.verify(seqs, trees, takes)
@@ -72,7 +70,10 @@ class ModelRunner:
                 self.verify_each([seq], [tree], [take])[0]
                 for seq, tree, take in zip(seqs, trees, takes, strict=True)
             ]
-        checked = zip(results, finite(results), strict=True)
+        checked = zip(results, finite(results), strict=True)  # (waits for the pass)
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        for seq in prefilling:
+            seq.prefill_ms += elapsed_ms
         return [rows if ok else self._non_finite() for rows, ok in checked]
 
     def _non_finite(self) -> StepFailed:
