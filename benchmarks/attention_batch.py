@@ -10,11 +10,13 @@ new tokens of all sequences, and all compute the same attention.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 BLOCK = 16  # pool block size, tokens
@@ -65,7 +67,10 @@ def slots_of(table: list[int], length: int) -> torch.Tensor:
     return blocks.flatten()[:length]
 
 
-def make_case(seqs: list[Seq], shape: Heads, dtype: torch.dtype, seed: int = 0) -> Case:
+def make_case(
+    seqs: list[Seq], shape: Heads, dtype: torch.dtype, seed: int = 0, device: str = "cpu"
+) -> Case:
+    """Random inputs, drawn on the host (the same on every device), held on `device`."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     lengths = [s.past + s.new for s in seqs]
@@ -100,6 +105,9 @@ def make_case(seqs: list[Seq], shape: Heads, dtype: torch.dtype, seed: int = 0) 
         for b, length in enumerate(lengths):
             pad[b, :, :length] = buffers[b][index][:, :length]
         dense.append(pad)
+    pool_k, pool_v, q = pool_k.to(device), pool_v.to(device), q.to(device)
+    buffers = [(k.to(device), v.to(device)) for k, v in buffers]
+    dense = [d.to(device) for d in dense]
     return Case(seqs, q, pool_k, pool_v, tables, ancestry, bits, buffers, (dense[0], dense[1]))
 
 
@@ -136,7 +144,7 @@ def per_sequence(case: Case, masks: list[torch.Tensor]) -> torch.Tensor:
             case.q[begin : begin + n].transpose(0, 1)[None],  # [1, heads, n, d]
             keys[:, :length][None],
             values[:, :length][None],
-            attn_mask=mask,
+            attn_mask=mask.to(keys.device),  # (built on the host, as that FlatModel did)
             enable_gqa=True,
         )[0].transpose(0, 1)
         begin += n
@@ -179,11 +187,22 @@ def padded_plan(case: Case, members: list[int] | None = None) -> Padded:
     batch = torch.repeat_interleave(torch.arange(len(seqs)), new)  # [t]
     rows = torch.arange(int(new.sum())) - (torch.cumsum(new, 0) - new)[batch]
     firsts = torch.tensor([sum(s.new for s in case.seqs[:i]) for i in members])
-    return Padded(slots, mask[:, None], (batch, rows), firsts[batch] + rows)
+    device = case.q.device
+    return Padded(
+        slots.to(device),
+        mask[:, None].to(device),
+        (batch.to(device), rows.to(device)),
+        (firsts[batch] + rows).to(device),
+    )
 
 
-def padded(case: Case, plan: Padded, gather: bool = True) -> torch.Tensor:
-    """[t, heads, d] for plan.tokens; gather=False reads case.dense (all sequences' plan only)."""
+def padded(
+    case: Case, plan: Padded, gather: bool = True, expand: bool = False, backend=None
+) -> torch.Tensor:
+    """[t, heads, d] for plan.tokens; gather=False reads case.dense (all sequences' plan only).
+    expand: K/V heads repeated to the query heads, where SDPA's grouped-query path
+    (enable_gqa) is refused by a kernel (CUDA's memory-efficient one); backend: the only
+    SDPA backend allowed (torch.nn.attention.SDPBackend; None: SDPA's own choice)."""
     batch, rows = plan.rows
     b, _, nmax, _ = plan.mask.shape
     q = case.q.new_zeros(b, nmax, *case.q.shape[1:])
@@ -193,9 +212,13 @@ def padded(case: Case, plan: Padded, gather: bool = True) -> torch.Tensor:
         v = case.pool_v[plan.slots].transpose(1, 2)
     else:
         k, v = case.dense
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=plan.mask, enable_gqa=True
-    )  # [B, heads, Nmax, d]
+    if expand:
+        group = q.shape[2] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=plan.mask, enable_gqa=not expand
+        )  # [B, heads, Nmax, d]
     return out.transpose(1, 2)[batch, rows]
 
 
@@ -230,16 +253,21 @@ def packed_plan(case: Case, compile_mask: bool = False) -> Packed:
 
     compile_mask: build the block mask with a compiled mask function (create_block_mask's
     _compile) instead of evaluating mask_mod over the whole [T, S] grid eagerly."""
-    past = torch.tensor([s.past for s in case.seqs])  # [B]
-    new = torch.tensor([s.new for s in case.seqs])  # [B]
+    device = case.q.device
+    past = torch.tensor([s.past for s in case.seqs], device=device)  # [B]
+    new = torch.tensor([s.new for s in case.seqs], device=device)  # [B]
     lengths = past + new
-    ids = torch.arange(len(case.seqs))
+    ids = torch.arange(len(case.seqs), device=device)
     kv_seq = torch.repeat_interleave(ids, lengths)  # [S]
-    kv_pos = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[kv_seq]
+    kv_pos = torch.arange(int(lengths.sum()), device=device)
+    kv_pos -= (torch.cumsum(lengths, 0) - lengths)[kv_seq]
     q_seq = torch.repeat_interleave(ids, new)  # [T]
     q_past = past[q_seq]
-    q_pos = q_past + torch.arange(int(new.sum())) - (torch.cumsum(new, 0) - new)[q_seq]
-    q_bits = torch.tensor([b for bits in case.bits for b in bits], dtype=torch.int64)  # [T]
+    q_pos = torch.arange(int(new.sum()), device=device) - (torch.cumsum(new, 0) - new)[q_seq]
+    q_pos += q_past
+    q_bits = torch.tensor(
+        [b for bits in case.bits for b in bits], dtype=torch.int64, device=device
+    )  # [T]
 
     def mask_mod(b, h, q_idx, kv_idx):
         kp, start, bits = kv_pos[kv_idx], q_past[q_idx], q_bits[q_idx]
@@ -249,9 +277,9 @@ def packed_plan(case: Case, compile_mask: bool = False) -> Packed:
 
     slots = torch.cat(
         [slots_of(t, s.past + s.new) for t, s in zip(case.tables, case.seqs, strict=True)]
-    )
+    ).to(device)
     block_mask = create_block_mask(
-        mask_mod, None, None, len(q_seq), len(kv_seq), device="cpu", _compile=compile_mask
+        mask_mod, None, None, len(q_seq), len(kv_seq), device=device, _compile=compile_mask
     )
     return Packed(slots, block_mask)
 
@@ -271,7 +299,7 @@ def nested_probe(case: Case) -> str:
         list(torch.split(case.q, [s.new for s in case.seqs])), layout=torch.jagged
     ).transpose(1, 2)  # [B, heads, j, d]
     pairs = zip(case.tables, case.seqs, strict=True)
-    keys = [case.pool_k[slots_of(t, s.past + s.new)] for t, s in pairs]
+    keys = [case.pool_k[slots_of(t, s.past + s.new).to(case.q.device)] for t, s in pairs]
     k = torch.nested.nested_tensor(keys, layout=torch.jagged).transpose(1, 2)
     mask = padded_plan(case).mask
     try:

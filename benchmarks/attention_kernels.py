@@ -1,6 +1,7 @@
 """Attention kernels for one call per layer over all sequences, against per-sequence SDPA.
 
     python -m benchmarks.attention_kernels [--quick] [--rounds 11] [--threads 2,1]
+        [--device cpu] [--dtypes bfloat16,float32] [--no-recompiles]
 
 Candidates (benchmarks/attention_batch.py), all computing the same attention:
 - reference: one SDPA per sequence over its own KV buffer, dense [new, past + new] bool mask
@@ -9,6 +10,10 @@ Candidates (benchmarks/attention_batch.py), all computing the same attention:
   [B, kv_heads, Lmax, d], a [B, 1, Nmax, Lmax] mask built from (past, new) per sequence
   (what services/common/attention.py does).
 - padded_nogather: the same over contiguous per-sequence KV (prices the gather).
+- padded_expanded: padded with K/V repeated to the query heads instead of SDPA's grouped-query
+  path (enable_gqa), which CUDA's memory-efficient kernel refuses: with a mask and
+  enable_gqa, SDPA on CUDA can only take its math kernel. Each case also records which SDPA
+  backends (flash, efficient, cudnn, math) take the padded call, grouped or expanded.
 - padded_grouped (steps with a prompt chunk): one padded call for decode and tree sequences,
   one for the chunk, so that the chunk does not pad every tree to its length.
 - flex: FlexAttention compiled with torch.compile (static shapes) over the packed batch, its
@@ -20,7 +25,8 @@ is shared), and reports per call (one layer) the median and minimum time, the me
 per-round ratios to the reference, the per-step setup shared by all layers (masks, slot
 tables, block mask), the step's total over all layers, and the max abs difference from the
 reference. One run per torch thread count: with several threads the clock is wall time, with
-one thread the CPU time of the calling thread (what other load on the machine disturbs least).
+one thread the CPU time of the calling thread (what other load on the machine disturbs least);
+on a device (`--device cuda`) always wall time, the device synchronised before and after.
 A second part counts FlexAttention compiles when T and sum L change every step, for dynamic
 False, None (automatic) and True. Inductor compiles into a fresh cache directory, so first
 calls are cold. Writes <out>/attention_kernels.json (--quick: attention_kernels_quick.json).
@@ -35,10 +41,12 @@ import platform
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
+from torch.nn.attention import SDPBackend
 from torch.nn.attention.flex_attention import flex_attention
 
 from .attention_batch import (
@@ -86,17 +94,55 @@ def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def sync() -> None:
+    """Waits for the device's queued kernels (CUDA runs them after the call returns)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed(fn, inner: int) -> tuple[float, float]:
     """(wall, this thread's CPU) seconds per call of fn, over `inner` calls."""
+    sync()
     wall, cpu = time.perf_counter(), time.thread_time()
     for _ in range(inner):
         fn()
+    sync()
     return (time.perf_counter() - wall) / inner, (time.thread_time() - cpu) / inner
 
 
-def run_case(seqs: list[Seq], shape: Heads, dtype, flex, rounds: int, inner: int, clock: int):
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def backend_probe(case, plan) -> dict[str, str]:
+    """Which SDPA backends take the padded call (bool mask), with grouped-query heads
+    (enable_gqa) and with K/V expanded to the query heads: "ran", or why not."""
+    found = {}
+    for name, backend in BACKENDS.items():
+        for expand in (False, True):
+            key = f"{name}{'_expanded' if expand else '_gqa'}"
+            with warnings.catch_warnings(record=True) as said:  # (SDPA warns why not)
+                warnings.simplefilter("always")
+                try:
+                    padded(case, plan, expand=expand, backend=backend)
+                    sync()
+                except Exception as error:  # the refusal is the result
+                    why = [str(w.message).strip().splitlines()[0] for w in said]
+                    found[key] = "; ".join(why or [f"{type(error).__name__}: {error}"])[:300]
+                else:
+                    found[key] = "ran"
+    return found
+
+
+def run_case(
+    seqs: list[Seq], shape: Heads, dtype, flex, rounds: int, inner: int, clock: int, device: str
+):
     """Times every candidate on one step; clock 0: wall time, 1: CPU time of this thread."""
-    case = make_case(seqs, shape, dtype)
+    case = make_case(seqs, shape, dtype, device=device)
     setups = {
         "reference": lambda: host_masks(case),
         "padded": lambda: padded_plan(case),
@@ -111,6 +157,7 @@ def run_case(seqs: list[Seq], shape: Heads, dtype, flex, rounds: int, inner: int
         "reference": lambda: per_sequence(case, plans["reference"]),
         "padded": lambda: padded(case, plans["padded"]),
         "padded_nogather": lambda: padded(case, plans["padded"], gather=False),
+        "padded_expanded": lambda: padded(case, plans["padded"], expand=True),
         "padded_grouped": lambda: padded_grouped(case, plans["padded_grouped"]),
         "flex": lambda: packed_flex(case, plans["flex"], flex),
     }
@@ -136,7 +183,8 @@ def run_case(seqs: list[Seq], shape: Heads, dtype, flex, rounds: int, inner: int
         for name, setup in setups.items():
             times[f"setup_{name}"].append(timed(setup, 1))
     picked = {name: [sample[clock] for sample in values] for name, values in times.items()}
-    return summarize(case, shape, picked, diffs, flex_first)
+    found = summarize(case, shape, picked, diffs, flex_first)
+    return found | {"sdpa_backends": backend_probe(case, plans["padded"])}
 
 
 def summarize(case, shape: Heads, times: dict, diffs: dict, flex_first: dict) -> dict:
@@ -155,14 +203,15 @@ def summarize(case, shape: Heads, times: dict, diffs: dict, flex_first: dict) ->
             "max_abs_diff": float(f"{diffs[name]:.3g}"),
         }
     steps = {"median": {}, "min": {}}
-    for name in ("reference", "padded", "padded_grouped", "flex"):
+    for name in ("reference", "padded", "padded_expanded", "padded_grouped", "flex"):
         if name in diffs:
-            kernels[name]["setup_ms"] = round(med[f"setup_{name}"], 4)
-            kernels[name]["setup_ms_min"] = round(low[f"setup_{name}"], 4)
+            setup = "setup_padded" if name == "padded_expanded" else f"setup_{name}"
+            kernels[name]["setup_ms"] = round(med[setup], 4)
+            kernels[name]["setup_ms_min"] = round(low[setup], 4)
             if name == "flex":
                 kernels[name]["setup_eager_mask_ms"] = round(med["setup_flex_eager_mask"], 4)
             for stat, ms in (("median", med), ("min", low)):
-                steps[stat][name] = ms[f"setup_{name}"] + shape.layers * ms[name]
+                steps[stat][name] = ms[setup] + shape.layers * ms[name]
     news = [s.new for s in case.seqs]
     lengths = [s.past + s.new for s in case.seqs]
     real = sum(n * m for n, m in zip(news, lengths, strict=True))
@@ -183,7 +232,7 @@ def summarize(case, shape: Heads, times: dict, diffs: dict, flex_first: dict) ->
     }
 
 
-def recompile_run(dynamic: bool | None, count: int) -> dict:
+def recompile_run(dynamic: bool | None, count: int, device: str) -> dict:
     """Compiles of a fresh torch.compile(flex_attention) over `count` engine-like steps."""
     torch.set_num_threads(1)  # steady times are CPU times of this thread
     torch._dynamo.reset()
@@ -195,7 +244,9 @@ def recompile_run(dynamic: bool | None, count: int) -> dict:
         seqs = [
             Seq(500 + 3 * step + i, TREE if step % 2 else 1, tree=bool(step % 2)) for i in range(b)
         ]
-        case = make_case(seqs, MODELS["qwen2.5-coder-1.5b"], torch.bfloat16, seed=step)
+        case = make_case(
+            seqs, MODELS["qwen2.5-coder-1.5b"], torch.bfloat16, seed=step, device=device
+        )
         plan = packed_plan(case)
         before, started = graphs(), time.perf_counter()
         try:
@@ -223,21 +274,24 @@ def recompile_run(dynamic: bool | None, count: int) -> dict:
     }
 
 
-def run_all(threads: int, quick: bool, rounds: int, inner: int) -> dict:
-    """Every case with `threads` torch threads; one thread is timed by its CPU time."""
+def run_all(threads: int, args, rounds: int, inner: int) -> dict:
+    """Every case with `threads` torch threads; on the CPU one thread is timed by its CPU
+    time, on a device every run by the wall clock (the kernels' time is the device's)."""
     torch.set_num_threads(threads)
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = 64  # one wrapper serves every case below
     flex = torch.compile(flex_attention, dynamic=False)  # dynamic shapes fail to build here
-    clock = 1 if threads == 1 else 0
+    clock = 1 if threads == 1 and args.device == "cpu" else 0
     cases = []
-    for model in ["qwen2.5-coder-1.5b"] if quick else list(MODELS):
-        for dtype in DTYPES:
-            for step, seqs in steps(quick).items():
-                found = run_case(seqs, MODELS[model], DTYPES[dtype], flex, rounds, inner, clock)
+    for model in ["qwen2.5-coder-1.5b"] if args.quick else list(MODELS):
+        for dtype in args.dtypes.split(","):
+            for step, seqs in steps(args.quick).items():
+                found = run_case(
+                    seqs, MODELS[model], DTYPES[dtype], flex, rounds, inner, clock, args.device
+                )
                 cases.append({"model": model, "dtype": dtype, "step": step, **found})
                 print(threads, model, dtype, step, found["step_ratio_all_layers"], flush=True)
-    clock_name = "CPU time of the calling thread" if clock else "wall"
+    clock_name = "CPU time of the calling thread" if clock else "wall (device synchronised)"
     return {"clock": clock_name, "summary": summary(cases), "cases": cases}
 
 
@@ -247,26 +301,43 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--inner", type=int, default=2, help="calls per timed sample")
     p.add_argument("--threads", default="2,1", help="torch thread counts, one run each")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="of " + ", ".join(DTYPES))
+    p.add_argument(
+        "--no-recompiles",
+        action="store_true",
+        help="leave out the count of FlexAttention compiles as shapes change",
+    )
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
+    if args.device != "cpu":
+        torch.cuda.set_device(torch.device(args.device))
     rounds, inner = (3, 1) if args.quick else (args.rounds, args.inner)
     cache = tempfile.TemporaryDirectory(prefix="attention-kernels-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache.name  # cold compiles
     load = [os.getloadavg()[0]]
     runs = {}
     for threads in [int(t) for t in args.threads.split(",")]:
-        runs[f"threads_{threads}"] = run_all(threads, args.quick, rounds, inner)
-    recompiles = [recompile_run(d, 4 if args.quick else 10) for d in (False, None, True)]
+        runs[f"threads_{threads}"] = run_all(threads, args, rounds, inner)
+    recompiles = []
+    if not args.no_recompiles:
+        count = 4 if args.quick else 10
+        recompiles = [recompile_run(d, count, args.device) for d in (False, None, True)]
     probe = make_case(
-        [Seq(512, 1), Seq(512, TREE, tree=True)], MODELS["smollm2-135m"], torch.float32
+        [Seq(512, 1), Seq(512, TREE, tree=True)],
+        MODELS["smollm2-135m"],
+        torch.float32,
+        device=args.device,
     )
     report = {
         "command": "python -m benchmarks.attention_kernels"
         + (" --quick" if args.quick else f" --rounds {rounds} --inner {inner}")
-        + f" --threads {args.threads}",
+        + f" --threads {args.threads} --device {args.device} --dtypes {args.dtypes}"
+        + (" --no-recompiles" if args.no_recompiles else ""),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "torch": torch.__version__,
         "cpu": cpu_name(),
+        "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
         "load_average_1min": [*load, os.getloadavg()[0]],  # at start, at end
         "summaries": {name: run["summary"] for name, run in runs.items()},
         "flex_recompiles": recompiles,
@@ -296,7 +367,7 @@ def summary(cases: list[dict]) -> dict:
         rows = [c for c in cases if c["step"].startswith(kind)]
         found[kind] = {}
         for stat in ("median", "min"):
-            for name in ("padded", "padded_grouped", "flex"):
+            for name in ("padded", "padded_expanded", "padded_grouped", "flex"):
                 ratios = [c["step_ratio_all_layers"][stat].get(name) for c in rows]
                 ratios = [r for r in ratios if r is not None]
                 value = round(statistics.median(ratios), 3) if ratios else None

@@ -20,7 +20,10 @@ when the whole run is killed.
   models       the benchmarks' models: random-weight stand-ins of the catalog's shapes where
                the weights are not here (benchmarks/gpu_standins.py)
   bench-*      benchmarks/engine.py (the forward pass against the device's bandwidth), then
-               plain_decode and speculative (the cluster against HF generate), short
+               attention_kernels (one layer's attention: the engine's padded SDPA against
+               K/V expanded for the memory-efficient kernel and FlexAttention, and which SDPA
+               backends take the call), then plain_decode and speculative (the cluster
+               against HF generate), short
 
 Imports only the standard library, so it runs before the bundle is installed.
 """
@@ -185,6 +188,11 @@ class Check:
                 + ["--out", f"{bench}/engine.json"]
             )
 
+        def attention() -> list[str]:  # one layer's attention, each SDPA backend and flex
+            command = [sys.executable, "-m", "benchmarks.attention_kernels", "--quick"]
+            command += ["--threads", "1", "--device", self.args.device, "--dtypes", "bfloat16"]
+            return command + ["--no-recompiles", "--out", str(bench)]
+
         def plain() -> list[str]:
             use = self.models()
             command = self.bench_command("plain_decode", *tokens, "--out", str(bench))
@@ -200,6 +208,12 @@ class Check:
 
         return [
             Stage("bench-engine", engine, 240, Summaries.bench(bench, "engine.json")),
+            Stage(
+                "bench-attention",
+                attention,
+                150,
+                Summaries.bench(bench, "attention_kernels_quick.json"),
+            ),
             Stage("bench-plain", plain, 200, Summaries.bench(bench, "plain_decode.json")),
             Stage(
                 "bench-speculative", speculative, 300, Summaries.bench(bench, "speculative.json")
