@@ -1,11 +1,14 @@
 """The acceptance rule: hand-built trees for the greedy walk, the plain walk of
-reference_acceptance as the oracle on random trees, statistics for sampling."""
+reference_acceptance as the oracle on random trees, statistics for sampling. Logits and the
+sequences' generators are on the tests' device (SPECSERVE_TEST_DEVICE), where the verifier
+selects; trees are drawn on the host, as drafters draw them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from conftest import DEVICE
 from reference_acceptance import walk
 from specserve.common.tree import DraftTree
 from specserve.drafter.draft_model import _gumbel_top_k
@@ -30,7 +33,12 @@ def one_hot_rows(argmaxes: list[int]) -> torch.Tensor:
     rows = torch.full((len(argmaxes), V), -5.0)
     for i, t in enumerate(argmaxes):
         rows[i, t] = 5.0
-    return rows
+    return rows.to(DEVICE)
+
+
+def device_generator(seed: int) -> torch.Generator:
+    """A sequence's random source, where its logits are (as sampling.make_generator)."""
+    return torch.Generator(DEVICE).manual_seed(seed)
 
 
 def chain(tokens: list[int]) -> DraftTree:
@@ -87,8 +95,8 @@ def test_greedy_siblings_with_one_token_take_the_first():
 def test_empty_tree_is_plain_decoding():
     assert accept(DraftTree(), one_hot_rows([2]), GREEDY, None).tokens == [2]
     params = SamplingParams(temperature=1.0)
-    gen = torch.Generator().manual_seed(0)
-    v = accept(DraftTree(), torch.tensor([[0.0, 0, 0, 9, 0, 0]]), params, gen)
+    rows = torch.tensor([[0.0, 0, 0, 9, 0, 0]], device=DEVICE)
+    v = accept(DraftTree(), rows, params, device_generator(0))
     assert v.accepted == [] and len(v.tokens) == 1
 
 
@@ -138,13 +146,13 @@ def random_rows(gen: torch.Generator, tree: DraftTree, vocab: int) -> torch.Tens
         if kids and torch.rand((), generator=gen) < 0.8:
             kid = kids[int(torch.randint(len(kids), (), generator=gen))]
             rows[node + 1, tree.token_ids[kid]] = 10.0
-    return rows
+    return rows.to(DEVICE)
 
 
 def test_select_matches_the_plain_walk_on_random_trees():
     """Greedy, and sampling with top_k=1 (a point mass: the walk is deterministic), in batches
     that mix them, against the walk one sequence at a time."""
-    gen = torch.Generator().manual_seed(7)
+    gen, draws = torch.Generator().manual_seed(7), device_generator(7)
     vocab, deep = 8, 0
     params = [GREEDY, SamplingParams(temperature=0.8, top_k=1)]
     for _ in range(60):
@@ -152,9 +160,9 @@ def test_select_matches_the_plain_walk_on_random_trees():
         for _ in range(int(torch.randint(1, 7, (), generator=gen))):
             tree = random_tree(gen, int(torch.randint(0, 17, (), generator=gen)), vocab, True)
             kind = params[int(torch.randint(2, (), generator=gen))]
-            batch.append(Candidates(tree, random_rows(gen, tree, vocab), kind, gen))
+            batch.append(Candidates(tree, random_rows(gen, tree, vocab), kind, draws))
         for c, verdict in zip(batch, select(batch), strict=True):
-            assert verdict == walk(c.tree, c.logits, c.params, gen)
+            assert verdict == walk(c.tree, c.logits, c.params, draws)
             deep += len(verdict.accepted) >= 2
     assert deep > 50  # not only trivial walks
 
@@ -162,6 +170,7 @@ def test_select_matches_the_plain_walk_on_random_trees():
 # --- sampling: the emitted token must be distributed as the target's p -------------------
 
 P_LOGITS = torch.log(torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05]))
+ROWS = P_LOGITS.to(DEVICE)  # every target row of the sampling tests
 Q = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])  # deliberately unlike p
 TRIALS = 20000
 BATCH = 50  # sequences selected together
@@ -186,11 +195,11 @@ def sampled_tree(gen: torch.Generator, siblings: int, with_dist: bool) -> DraftT
 
 def first_tokens(sampler, params: SamplingParams, siblings: int, with_dist=True) -> torch.Tensor:
     """The first emitted token of TRIALS trials, run BATCH sequences to a `sampler` call."""
-    gen = torch.Generator().manual_seed(1234)
+    gen, draws = torch.Generator().manual_seed(1234), device_generator(1234)
     counts = torch.zeros(V)
     for _ in range(TRIALS // BATCH):
         trees = [sampled_tree(gen, siblings, with_dist) for _ in range(BATCH)]
-        batch = [Candidates(t, P_LOGITS.repeat(len(t) + 1, 1), params, gen) for t in trees]
+        batch = [Candidates(t, ROWS.repeat(len(t) + 1, 1), params, draws) for t in trees]
         for verdict in sampler(batch):
             counts[verdict.tokens[0]] += 1
     return counts
@@ -223,7 +232,8 @@ def naive_select(batch: list[Candidates]) -> list[Verdict]:
     for c in batch:
         p = target_probs(c.logits[0], c.params)
         token = c.tree.token_ids[0]
-        if torch.rand((), generator=c.generator) < min(1.0, float(p[token] / Q[token])):
+        u = torch.rand((), generator=c.generator, device=p.device)
+        if u < min(1.0, float(p[token]) / float(Q[token])):
             verdicts.append(Verdict([0], [token]))
         else:
             verdicts.append(accept(DraftTree(), c.logits[:1], c.params, c.generator))
@@ -253,15 +263,15 @@ def two_level_tree(gen: torch.Generator) -> DraftTree:
 def test_sampling_two_levels_deep_matches_the_target_distribution():
     """Every row is P, so the first two emitted tokens must be independent draws from p."""
     params = SamplingParams(temperature=1.0)
-    gen = torch.Generator().manual_seed(99)
+    gen, draws = torch.Generator().manual_seed(99), device_generator(99)
     counts = torch.zeros(V, V)
     deep = 0
     for _ in range(TRIALS // BATCH):
         trees = [two_level_tree(gen) for _ in range(BATCH)]
-        batch = [Candidates(t, P_LOGITS.repeat(len(t) + 1, 1), params, gen) for t in trees]
+        batch = [Candidates(t, ROWS.repeat(len(t) + 1, 1), params, draws) for t in trees]
         verdicts = select(batch)
         short = [v for v in verdicts if len(v.tokens) == 1]  # their next step has no tree
-        rest = select([Candidates(DraftTree(), P_LOGITS[None], params, gen) for _ in short])
+        rest = select([Candidates(DraftTree(), ROWS[None], params, draws) for _ in short])
         for verdict, more in zip(short, rest, strict=True):
             verdict.tokens += more.tokens
         for verdict in verdicts:
@@ -281,10 +291,10 @@ def test_seeded_selection_is_reproducible_and_its_own():
     trees = [two_level_tree(torch.Generator().manual_seed(s)) for s in range(40)]
 
     def run(seeds: list[int]) -> list[list[list[int]]]:
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        gens = [device_generator(s) for s in seeds]
         steps = []
         for tree in trees:
-            rows = P_LOGITS.repeat(len(tree) + 1, 1)
+            rows = ROWS.repeat(len(tree) + 1, 1)
             batch = [Candidates(tree, rows, params, g) for g in gens]
             steps.append([v.tokens for v in select(batch)])
         return steps
@@ -307,13 +317,13 @@ def test_sampling_with_suffix_trees_matches_the_target_distribution():
     tree, _ = proposer.propose_one(DraftJob("s", [2, 5], 16))
     assert len(tree) > 4 and max(tree.depths()) == 1 and len(tree.children()[-1]) == 3
     params = SamplingParams(temperature=1.0)
-    gen = torch.Generator().manual_seed(7)
+    draws = device_generator(7)
     counts = torch.zeros(V, V)
-    rows = P_LOGITS.repeat(len(tree) + 1, 1)
+    rows = ROWS.repeat(len(tree) + 1, 1)
     for _ in range(TRIALS // BATCH):
-        verdicts = select([Candidates(tree, rows, params, gen) for _ in range(BATCH)])
+        verdicts = select([Candidates(tree, rows, params, draws) for _ in range(BATCH)])
         short = [v for v in verdicts if len(v.tokens) == 1]
-        rest = select([Candidates(DraftTree(), P_LOGITS[None], params, gen) for _ in short])
+        rest = select([Candidates(DraftTree(), ROWS[None], params, draws) for _ in short])
         for verdict, more in zip(short, rest, strict=True):
             verdict.tokens += more.tokens
         for verdict in verdicts:
