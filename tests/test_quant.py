@@ -58,8 +58,9 @@ def test_a_quantised_layer_computes_with_its_weights_and_rows_alone(kind):
 
 
 def test_an_int8_call_past_the_kernels_rows_computes_the_same_product_by_gemm():
-    """More than INT8_KERNEL_ROWS rows (a prompt chunk) go through a bfloat16 GEMM over the
-    widened codes: the same weights, so each row is the int8 kernel's up to rounding."""
+    """More than INT8_KERNEL_ROWS rows (a prompt chunk) go through a GEMM over the widened
+    codes (quant.wide_dtype): the same weights, so each row is the int8 kernel's up to
+    rounding."""
     torch.manual_seed(0)
     linear = nn.Linear(256, 192).to(DEVICE)
     layer = quant.Int8Linear(linear)
