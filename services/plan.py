@@ -121,10 +121,12 @@ def measure_this_machine(
 ) -> Device:
     """This machine's `device` (its RAM for the CPU): its memory, its bandwidth measured by
     copying a tensor larger than any cache (bytes read + written per second, best of 5), and
-    its matrix multiply FLOP/s in `dtype` (best of 5 products of 2048-square matrices on the
-    CPU, 8192-square on a GPU)."""
+    its matrix multiply FLOP/s in what a prompt's products run in for `dtype` (best of 5
+    products of 2048-square matrices on the CPU, 8192-square on a GPU): bfloat16 for the half
+    and quantised types, float32 on a CPU without bfloat16 matrix instructions (gemm.py)."""
     import torch
 
+    from .common.gemm import HALF, wide_dtype
     from .common.models import torch_dtype
 
     where = torch.device(device)
@@ -137,9 +139,10 @@ def measure_this_machine(
                 memory = float(line.split()[1]) * 1024
     best = _copy_seconds(sample_bytes, where)
     n = 8192 if where.type == "cuda" else 2048
-    a = torch.randn(n, n, device=where).to(
-        torch_dtype("bfloat16" if dtype in ("int8", "int4") else dtype)
-    )
+    compute = torch_dtype("bfloat16" if dtype in ("int8", "int4") else dtype)
+    if compute in HALF and wide_dtype(where.type) == torch.float32:
+        compute = torch.float32
+    a = torch.randn(n, n, device=where).to(compute)
     a @ a  # warm-up: a GPU's first product also picks its kernel
     fastest = min(_seconds(lambda: a @ a, where) for _ in range(5))
     name = "this-machine" if where.type == "cpu" else f"this-machine {device}"

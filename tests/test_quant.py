@@ -9,7 +9,7 @@ from test_speculative import PROMPTS, speculative_greedy
 from torch import nn
 
 from conftest import DEVICE, NOISE, default_target_dir, save_tiny_qwen
-from specserve.common import models, quant
+from specserve.common import gemm, models, quant
 from specserve.common.flat_model import FlatModel, Segment
 from specserve.common.proposers.base import TreeShape
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
@@ -59,7 +59,7 @@ def test_a_quantised_layer_computes_with_its_weights_and_rows_alone(kind):
 
 def test_an_int8_call_past_the_kernels_rows_computes_the_same_product_by_gemm():
     """More than INT8_KERNEL_ROWS rows (a prompt chunk) go through a GEMM over the widened
-    codes (quant.wide_dtype): the same weights, so each row is the int8 kernel's up to
+    codes (gemm.wide_dtype): the same weights, so each row is the int8 kernel's up to
     rounding."""
     torch.manual_seed(0)
     linear = nn.Linear(256, 192).to(DEVICE)
@@ -72,6 +72,39 @@ def test_an_int8_call_past_the_kernels_rows_computes_the_same_product_by_gemm():
     assert (by_gemm - exact).abs().max() <= 0.02 * exact.abs().max()
     torch.testing.assert_close(by_gemm, by_kernel, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
     assert not torch.equal(by_gemm, by_kernel)  # another kernel ran
+
+
+def test_a_wide_linear_runs_large_calls_in_float32_and_small_ones_as_before():
+    """gemm.WideLinear: up to WIDE_ROWS rows the layer's own half-precision product, past them
+    a float32 one over the widened weights, returned in the input's dtype."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 80).to(DEVICE, torch.bfloat16)
+    wide = nn.Linear(96, 80).to(DEVICE, torch.bfloat16)
+    wide.load_state_dict(linear.state_dict())
+    wide.__class__ = gemm.WideLinear
+    few = torch.randn(3, gemm.WIDE_ROWS // 3, 96, device=DEVICE).to(torch.bfloat16)
+    assert torch.equal(wide(few), linear(few))
+    many = torch.randn(gemm.WIDE_ROWS + 1, 96, device=DEVICE).to(torch.bfloat16)
+    want = nn.functional.linear(many.float(), linear.weight.float(), linear.bias.float())
+    want = want.to(torch.bfloat16)
+    assert wide(many).dtype == torch.bfloat16
+    assert torch.equal(wide(many), want)
+
+
+def test_half_precision_layers_widen_only_where_the_device_lacks_bfloat16_matmul(quant_dirs):
+    target, _ = quant_dirs
+    slow = gemm.wide_dtype(torch.device(DEVICE).type) == torch.float32
+    half = models.load_model(target, DEVICE, "bfloat16")
+    linears = [m for m in half.modules() if isinstance(m, nn.Linear)]
+    widened = [m for m in linears if type(m) is gemm.WideLinear]
+    assert len(widened) == (len(linears) if slow else 0)
+    assert models.loaded_dtype(half) == "bfloat16"
+    full = models.load_model(target, DEVICE, "float32")
+    assert not any(type(m) is gemm.WideLinear for m in full.modules())
+    flat = FlatModel(half)
+    prompt = list(range(3, 3 + gemm.WIDE_ROWS + 20))  # one call past WIDE_ROWS
+    (logits,) = flat.forward([Segment(flat.new_kv(), prompt)])
+    assert logits.shape[0] == 1 and torch.isfinite(logits).all()
 
 
 def test_load_model_quantises_every_linear_and_says_so(quantised, quant_dirs):

@@ -343,10 +343,11 @@ def load_model(
     common/quant.py), quantised from the bfloat16 weights (loading float32 first would double
     the memory a start needs, for codes that differ in rare roundings); the rest runs in
     float32, which keeps speculation exact. A build or device that cannot run them raises
-    ModelError naming `setting`."""
+    ModelError naming `setting`. A half-precision model on a CPU without bfloat16 matrix
+    instructions runs its large products in float32 (gemm.py)."""
     from transformers import AutoModelForCausalLM
 
-    from . import quant
+    from . import gemm, quant
 
     quantised = dtype in quant.QUANTISED
     try:
@@ -360,7 +361,10 @@ def load_model(
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=load_dtype)
             model = model.to(device).eval()
-        return quant.quantize(model, dtype) if quantised else model
+        if quantised:
+            return quant.quantize(model, dtype)
+        gemm.widen(model)
+        return model
     except quant.QuantError as e:
         raise ModelError(f"{setting}: {dtype} cannot run on {device}: {e}") from e
 

@@ -3,7 +3,7 @@
 - `int8`: each output channel's weights as int8 codes with one scale (symmetric,
   scale = max |w| / 127); `torch._weight_int8pack_mm` (CPU and CUDA) for calls of up to
   INT8_KERNEL_ROWS rows, a GEMM over the widened codes for larger ones (bfloat16 where the
-  device multiplies it natively, float32 on CPUs that do not: `wide_dtype`).
+  device multiplies it natively, float32 on CPUs that do not: gemm.wide_dtype).
 - `int4`: each run of INT4_GROUP input weights of an output channel as 4-bit codes with a
   scale and an offset (asymmetric, from the run's min and max), packed by
   `_convert_weight_to_int4pack[_for_cpu]` for `_weight_int4pack_mm[_for_cpu]`.
@@ -26,10 +26,10 @@ build whose kernel is missing or wrong there fails at start, not at the first re
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
+
+from .gemm import wide_dtype
 
 QUANTISED = ("int8", "int4")
 INT4_GROUP = 32  # input weights per scale/offset pair (the kernels take 32, 64, 128, 256)
@@ -42,21 +42,6 @@ ROWS = 4096  # output channels quantised at a time (bounds the float32 temporari
 # (exact: |code| <= 127) and run a GEMM, then scale its output. One sequence's decode or tree
 # step stays within the limit, so its rows stay those of plain decoding.
 INT8_KERNEL_ROWS = 64
-CPU_BF16_CHECKS = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # torch.cpu's
-
-
-@functools.cache
-def wide_dtype(device_type: str) -> torch.dtype:
-    """What the GEMM path of an int8 call multiplies in: bfloat16 on CUDA and on CPUs with
-    bfloat16 matrix instructions (AMX, AVX512-BF16), float32 elsewhere. A CPU without them
-    (AVX2: AMD EPYC, older Intel) runs a bfloat16 GEMM several times slower than a float32
-    one: over the widened codes of a 1536 x 8960 layer, 646 against 162 ms for 400 rows, and a
-    400-token prompt of the default target took 62 s in int8 against 14 s in float32. Both
-    multiply the activations the kernel does (rounded to bfloat16) by the same codes."""
-    if device_type != "cpu":
-        return KERNEL_DTYPE
-    native = (getattr(torch.cpu, name, lambda: False)() for name in CPU_BF16_CHECKS)
-    return KERNEL_DTYPE if any(native) else torch.float32
 
 
 class QuantError(ValueError):
@@ -111,7 +96,7 @@ class Int8Linear(nn.Module):
         if flat.shape[0] <= INT8_KERNEL_ROWS:
             y = torch._weight_int8pack_mm(flat, self.codes, self.scales)
         else:
-            wide = wide_dtype(flat.device.type)
+            wide = wide_dtype(flat.device.type)  # (either multiplies the kernel's inputs)
             y = nn.functional.linear(flat.to(wide), self.codes.to(wide)) * self.scales.to(wide)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
