@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto proto-check models run test bench bench-load bench-kv bench-learn bench-tp bench-scale bench-http bench-engine gpu-check gpu-bundle lint \
+.PHONY: setup install proto proto-check models run test test-fast test-long bench bench-load bench-kv bench-learn bench-tp bench-scale bench-http bench-engine gpu-check gpu-bundle lint \
 	clean image image-gpu image-models k8s-secrets k8s-render
 
 setup: install proto models
@@ -55,8 +55,18 @@ models: $(STAMP) $(GEN)
 run: setup
 	$(VENV)/bin/specserve --config config/specserve.yaml up
 
+# Test tiers by marker (tests/conftest.py): `make test` is what CI runs, every test but the
+# `long` ones, and it prints the 30 slowest; `make test-fast` leaves out every test that starts
+# a cluster or loads the default target (a few minutes, while working); `make test-long` runs
+# the tests whose length in real time is what they test (before a release).
 test: setup proto-check
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" --durations=30 $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not cluster and not default_model and not long" $(PYTEST_ARGS)
+
+test-long: setup
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m benchmarks.speculative --tokens 128 --dtype bfloat16

@@ -1,4 +1,10 @@
-"""Fixtures: tiny random models, and real clusters (redis-server + four service processes)."""
+"""Fixtures: tiny random models, and real clusters (redis-server + four service processes).
+
+Tiers (README "Tests"): a test that starts a service process is marked `cluster`, one that
+loads the default 1.5B target `default_model`, and one whose length is what it tests `long`.
+`make test-fast` runs the rest; `make test` (CI) runs all but `long`; `make test-long` the
+long ones. A test that starts a service without its `cluster` mark fails, so that the fast
+tier stays fast."""
 
 from __future__ import annotations
 
@@ -24,6 +30,31 @@ TARGET = ModelRef()  # the default target model
 DEVICE = os.environ.get("SPECSERVE_TEST_DEVICE", "cpu")
 DEVICE_KIND = DEVICE.partition(":")[0]  # as model versions name it: cuda:1 is cuda
 NOISE = 2.0
+
+
+_running: list[pytest.Item] = []  # the test being set up, run or torn down
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+_start_service = LocalCluster.start_service
+
+
+def _marked_start_service(self, name, *args, **kwargs):
+    """LocalCluster.start_service, refused to a test without the `cluster` mark."""
+    if _running and _running[-1].get_closest_marker("cluster") is None:
+        pytest.fail(f"{_running[-1].nodeid} starts a {name}: mark it cluster (conftest.py)")
+    return _start_service(self, name, *args, **kwargs)
+
+
+LocalCluster.start_service = _marked_start_service
 
 
 def default_target_dir() -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import cluster_config
@@ -26,6 +27,7 @@ def lines(out: str) -> dict[str, str]:
     return {line[6:34].strip(): line[:4].strip() for line in out.splitlines() if line[4:6] == "  "}
 
 
+@pytest.mark.cluster
 def test_a_healthy_cluster_passes(tiny_cluster):
     run = doctor(
         tiny_cluster.config_path,
@@ -48,6 +50,7 @@ def test_a_healthy_cluster_passes(tiny_cluster):
     assert "appendonly=no" in run.stdout
 
 
+@pytest.mark.cluster
 def test_the_health_probe_of_a_verifier_says_what_it_serves(tiny_cluster):
     port = str(tiny_cluster.procs["verifier"].port)
     run = subprocess.run(

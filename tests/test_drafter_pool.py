@@ -133,6 +133,7 @@ def test_outage_log_counts_each_burst(caplog):
     assert caplog.records[1].failed_tries == 3 and caplog.records[1].__dict__["in"] == "heartbeat"
 
 
+@pytest.mark.cluster
 def test_a_drafter_restarted_at_its_address_drafts_again_at_once(
     tmp_path, tiny_model_dir, tiny_draft_dir, tokenizer
 ):

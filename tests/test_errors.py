@@ -46,6 +46,7 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
+@pytest.mark.cluster
 def test_invalid_argument_names_the_field(gateway, case):
     req, field = BAD[case]
     if req is None:
@@ -57,6 +58,7 @@ def test_invalid_argument_names_the_field(gateway, case):
     assert err.value.details().startswith(field), err.value.details()
 
 
+@pytest.mark.cluster
 def test_invalid_utf8_is_invalid_argument(tiny_cluster):
     lenient = _lenient_class()()
     lenient.prompt = b"caf\xc3("  # a broken two-byte sequence
@@ -88,6 +90,7 @@ def _wait_batch_empty(cluster, rid: str, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.cluster
 def test_client_disconnect_cancels_the_work(gateway, tiny_cluster):
     rid = "disconnect-1"
     call = gateway.Generate(request(prompt="Once", max_tokens=1000, request_id=rid), timeout=60)
@@ -100,6 +103,7 @@ def test_client_disconnect_cancels_the_work(gateway, tiny_cluster):
     assert int(r.hget(req_key(rid), "generated")) < 1000
 
 
+@pytest.mark.cluster
 def test_cancel_rpc_stops_the_stream(gateway, tiny_cluster):
     rid = "cancel-rpc-1"
     call = gateway.Generate(request(prompt="Once", max_tokens=1000, request_id=rid), timeout=60)
@@ -112,6 +116,7 @@ def test_cancel_rpc_stops_the_stream(gateway, tiny_cluster):
     assert not gateway.Cancel(generation_pb2.CancelRequest(request_id=rid), timeout=5).cancelled
 
 
+@pytest.mark.cluster
 def test_a_temperature_near_zero_decodes_greedily_over_grpc(gateway):
     """1e-40 passes validation; it once made every step fail (inf logits) until the deadline."""
     cold = common_pb2.SamplingParams(temperature=1e-40, seed=3)

@@ -66,6 +66,7 @@ def first_token(gateway, key: str, verifier) -> tuple[float, int]:
     return final.timings.ttft_ms / 1e3, steps
 
 
+@pytest.mark.cluster
 def test_a_tenant_hoarding_unread_streams_neither_blocks_another_nor_runs_on(cluster):
     r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     keys = KeyStore(r)

@@ -19,6 +19,7 @@ SERVICES = {
 
 
 @pytest.mark.parametrize("name", list(SERVICES))
+@pytest.mark.cluster
 def test_health_and_reflection(tiny_cluster, name):
     with grpc.insecure_channel(tiny_cluster.procs[name].address) as channel:
         health = health_pb2_grpc.HealthStub(channel)

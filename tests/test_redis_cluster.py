@@ -23,6 +23,9 @@ from specserve.gateway.keys import KeyStore
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
+# Redis Cluster nodes, and services on them, are processes of their own.
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture
 def nodes(tmp_path):

@@ -68,6 +68,7 @@ def seconds(ts: str) -> float:
     return datetime.datetime.fromisoformat(ts).timestamp()
 
 
+@pytest.mark.cluster
 def test_a_verifier_restarted_at_once_under_its_id_strands_nothing(
     cluster, store, expected, tokenizer
 ):
@@ -142,6 +143,7 @@ def claim_behind_its_back(store: RequestStore, rid: str, prompt: list[int], vid:
     assert pipe.execute() == [[0, 0], 1]
 
 
+@pytest.mark.cluster
 def test_a_request_its_verifier_does_not_run_is_requeued_and_completes(
     cluster, store, tiny_model, tokenizer
 ):

@@ -224,6 +224,7 @@ class Stream:
         assert index == self.final.usage.completion_tokens
 
 
+@pytest.mark.cluster
 def test_each_pool_reports_its_version(stub, store):
     store.set_canary_share(0.0)
     info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
@@ -237,6 +238,7 @@ def test_each_pool_reports_its_version(stub, store):
     assert report["pools"][CANARY]["versions"] == list(pools[CANARY].model_versions)
 
 
+@pytest.mark.cluster
 def test_a_canary_split_over_many_requests(stub, store, tokenizer):
     share, n = 0.3, 60
     store.set_canary_share(share)
@@ -258,6 +260,7 @@ def test_a_canary_split_over_many_requests(stub, store, tokenizer):
     assert abs(canary - n * share) < 4 * sigma, canary
 
 
+@pytest.mark.cluster
 def test_probes_compare_the_pools_greedy_outputs(pools, store):
     from specserve.common import models
 
@@ -285,6 +288,7 @@ def rollout_cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.cluster
 def test_the_rollout_command_sets_shows_and_rolls_back_the_share(pools, store):
     run = rollout_cli(pools, "canary", "0.25")
     assert run.returncode == 0, run.stderr
@@ -305,6 +309,7 @@ def test_the_rollout_command_sets_shows_and_rolls_back_the_share(pools, store):
     assert run.returncode == 2 and "within 0 and 1" in run.stderr
 
 
+@pytest.mark.cluster
 def test_the_probe_command_fails_below_the_agreement_asked_for(pools, tmp_path):
     out = tmp_path / "probe.json"
     args = ("--scheduler", pools.procs["scheduler"].address, "--max-tokens", "4")
@@ -317,12 +322,14 @@ def test_the_probe_command_fails_below_the_agreement_asked_for(pools, tmp_path):
     assert rollout_cli(pools, "probe", *args, "--min-agreement", "0").returncode == 0
 
 
+@pytest.mark.cluster
 def test_a_probe_without_a_canary_pool_says_so(tiny_cluster):
     run = rollout_cli(tiny_cluster, "probe", "--scheduler", tiny_cluster.procs["scheduler"].address)
     assert run.returncode == 1 and "no live verifier in the canary pool" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.cluster
 def test_rollback_during_traffic_fails_nothing_and_mixes_no_stream(stub, store, tokenizer):
     store.set_canary_share(0.5)
     versions = versions_by_pool(stub)
@@ -347,6 +354,7 @@ def test_rollback_during_traffic_fails_nothing_and_mixes_no_stream(stub, store, 
     assert rollout.canary_running(store) == 0
 
 
+@pytest.mark.cluster
 def test_a_request_handed_back_by_a_canary_waits_for_its_version(pools, stub, store, canary_dir):
     """The canary drains mid-request: the request goes back to the queue with its tokens;
     the stable verifier is free but serves another version, so the request waits for a

@@ -86,6 +86,7 @@ def cli(cluster, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.cluster
 def test_a_call_needs_a_valid_live_key(secure, keys):
     gw = stub(secure)
     made = cli(secure, "create", "--tenant", "acme", "--tier", "standard")
@@ -113,12 +114,14 @@ def test_a_call_needs_a_valid_live_key(secure, keys):
     assert cli(secure, "revoke", "nosuchkey").returncode == 1
 
 
+@pytest.mark.cluster
 def test_keys_seeded_from_a_file_at_start_work_on_every_gateway(secure, keys):
     out = generate(stub(secure), SEEDED_KEY, prompt="x", max_tokens=2)  # seeded by gateway-2
     assert out[-1].HasField("final")
     assert any(k["id"] == "5eed00000001" and k["tenant"] == "seeded" for k in keys.list())
 
 
+@pytest.mark.cluster
 def test_the_redis_password_is_in_no_log_or_process_list(secure):
     assert f":{REDIS_PASSWORD}@" in secure.redis_url  # the cluster uses it
     for proc in secure.procs.values():
@@ -131,6 +134,7 @@ def test_the_redis_password_is_in_no_log_or_process_list(secure):
         redis.Redis(port=secure.redis_port, password="wrong").ping()
 
 
+@pytest.mark.cluster
 def test_keys_are_stored_hashed_only(secure, keys):
     key = keys.create("hashed", "standard", DEFAULT_TIERS["standard"])
     r = redis.Redis.from_url(secure.redis_url, decode_responses=True)
@@ -139,6 +143,7 @@ def test_keys_are_stored_hashed_only(secure, keys):
         assert all(key not in v and key.split("_")[2] not in v for v in values.values())
 
 
+@pytest.mark.cluster
 def test_a_tier_bounds_what_a_key_may_ask(secure, keys):
     gw = stub(secure)
     free = keys.create("small", "free", DEFAULT_TIERS["free"])
@@ -155,6 +160,7 @@ def test_a_tier_bounds_what_a_key_may_ask(secure, keys):
     assert final.usage.completion_tokens <= 512
 
 
+@pytest.mark.cluster
 def test_a_tenant_never_sees_another_tenants_request(secure, keys, tokenizer):
     gw = stub(secure)
     a = keys.create("tenant-a", "standard", DEFAULT_TIERS["standard"])
@@ -174,6 +180,7 @@ def test_a_tenant_never_sees_another_tenants_request(secure, keys, tokenizer):
     assert [t for c in again for t in c.token_ids] == ids_a
 
 
+@pytest.mark.cluster
 def test_the_request_rate_is_shared_by_two_gateways(secure, keys):
     gw1, gw2 = stub(secure), stub(secure, "gateway-2")
     key = keys.create("limited", "standard", Tier(requests_per_minute=3))
@@ -188,6 +195,7 @@ def test_the_request_rate_is_shared_by_two_gateways(secure, keys):
     assert 0 < int(retry) <= 20_000  # one request comes back every 20 s
 
 
+@pytest.mark.cluster
 def test_tokens_per_minute_count_prompt_and_output(secure, keys):
     gw = stub(secure)
     key = keys.create("tokens", "standard", Tier(tokens_per_minute=60))
@@ -199,6 +207,7 @@ def test_tokens_per_minute_count_prompt_and_output(secure, keys):
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens per minute" in err.details()
 
 
+@pytest.mark.cluster
 def test_a_client_that_opens_streams_and_never_reads_them_is_capped(secure, keys):
     gw = stub(secure)
     key = keys.create("hoarder", "standard", Tier(concurrent_streams=2))
@@ -281,6 +290,7 @@ def test_a_stream_open_past_the_slot_age_still_counts_while_its_gateway_lives(re
     assert redis_store.r.zrange(streams, 0, -1) == ["alive"]
 
 
+@pytest.mark.cluster
 def test_the_audit_trail_has_every_call_and_no_text(secure, keys):
     gw = stub(secure)
     key = keys.create("audited", "standard", DEFAULT_TIERS["standard"])
@@ -327,6 +337,7 @@ def health(channel, timeout: float = 5):
     )
 
 
+@pytest.mark.cluster
 def test_the_gateway_speaks_tls_and_internal_services_mtls(tls_cluster, certs, tmp_path):
     ca = certs["ca"].read_bytes()
     gateway, scheduler = (
@@ -362,6 +373,7 @@ def test_the_gateway_speaks_tls_and_internal_services_mtls(tls_cluster, certs, t
         assert health(channel).status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.cluster
 def test_a_service_without_certificates_refuses_to_start_in_plaintext(tmp_path):
     config = cluster_config(None, common={"insecure": False})
     cluster = LocalCluster(config, tmp_path)

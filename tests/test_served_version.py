@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 import redis
 
 from conftest import DEVICE_KIND
@@ -56,6 +57,7 @@ def test_the_versions_looked_up_are_those_of_the_pool_a_request_goes_to():
     assert serving_versions([], 0.0, "any") == []
 
 
+@pytest.mark.cluster
 def test_a_result_replays_only_on_the_dtype_that_produced_it(tiny_cluster, gateway, tokenizer):
     """A bfloat16 verifier joins as the canary: the float32 result does not answer requests
     sent there, and the bfloat16 one does not answer requests sent to float32."""

@@ -80,6 +80,7 @@ def drafted_and_accepted(cluster) -> tuple[float, float]:
 
 
 @SPECULATION
+@pytest.mark.cluster
 def test_sequences_joining_and_leaving_mid_batch_keep_greedy_outputs(
     cluster_of, tiny_model, tokenizer, speculative
 ):
@@ -122,6 +123,7 @@ def test_sequences_joining_and_leaving_mid_batch_keep_greedy_outputs(
     assert (drafted > accepted) if speculative else (drafted == 0)
 
 
+@pytest.mark.cluster
 def test_a_flood_runs_in_a_tight_kv_pool_and_what_can_never_fit_is_rejected(cluster_of, tokenizer):
     """A 336-token pool (21 blocks) holds the worst case (prompt + max_tokens) of three of these
     requests, but admission takes only a prompt's blocks: four run at once (the batch size), and
@@ -181,6 +183,7 @@ def test_a_flood_runs_in_a_tight_kv_pool_and_what_can_never_fit_is_rejected(clus
     assert "more than any verifier has" in r.hget(req_key("too-big"), "final")
 
 
+@pytest.mark.cluster
 def test_an_interactive_request_starts_within_a_few_steps_behind_a_full_batch_queue(
     cluster_of, tokenizer
 ):
@@ -217,6 +220,7 @@ def test_an_interactive_request_starts_within_a_few_steps_behind_a_full_batch_qu
         call.cancel()
 
 
+@pytest.mark.cluster
 def test_waiting_batch_work_is_placed_after_a_bounded_run_of_interactive_work(
     cluster_of, tokenizer
 ):
@@ -302,6 +306,7 @@ def test_a_slot_that_frees_while_batch_is_refused_on_its_turn_goes_to_batch(redi
 
 
 @SPECULATION
+@pytest.mark.cluster
 def test_a_shared_prefix_is_placed_where_its_blocks_are_cached_and_reused(
     cluster_of, tiny_model, tokenizer, speculative
 ):
@@ -348,6 +353,7 @@ def test_a_shared_prefix_is_placed_where_its_blocks_are_cached_and_reused(
     assert (drafted > accepted) if speculative else (drafted == 0)
 
 
+@pytest.mark.cluster
 def test_the_result_cache_replays_deterministic_requests_only(gateway, tokenizer):
     ids = tokenizer("for i in range(10):").input_ids
     greedy = request(prompt_ids=ids, max_tokens=12, use_result_cache=True, stop=["\n\n"])

@@ -3,6 +3,8 @@ give the target's greedy output token for token, for every tree shape, size and 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -90,10 +92,31 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("budget", [1, 2, 5, 16, 64])
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("proposer", PROPOSERS)
+BUDGETS, BATCHES = [1, 2, 5, 16, 64], [1, 3, 8]
+
+
+def grid() -> list:
+    """Every (proposer, shape, budget, batch). `make test` runs 25 of the 150: each
+    proposer with each budget, the shape and batch size chosen so that every pair of values of
+    any two of the four factors appears at least once (pairwise coverage: a fault that needs
+    two factors to show is caught); the rest are marked long (`make test-long`)."""
+    names, shapes = list(PROPOSERS), list(SHAPES)
+    pairwise = {
+        (p, shapes[(i + j) % 2], b, BATCHES[(i + 2 * j) % 3])
+        for i, p in enumerate(names)
+        for j, b in enumerate(BUDGETS)
+    }
+    return [
+        pytest.param(
+            *case,
+            id="-".join(map(str, case)),
+            marks=() if case in pairwise else pytest.mark.long,
+        )
+        for case in itertools.product(names, shapes, BUDGETS, BATCHES)
+    ]
+
+
+@pytest.mark.parametrize("proposer,shape,budget,batch", grid())
 def test_greedy_output_is_the_targets(
     tiny_model, tiny_draft, tokenizer, references, proposer, shape, budget, batch
 ):

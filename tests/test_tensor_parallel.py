@@ -34,7 +34,11 @@ from specserve.v1 import generation_pb2_grpc
 from specserve.verifier.ranks import Ranks, RanksFailed
 from specserve.verifier.reference import hf_greedy
 
-pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on the CPU")
+# Ranks are processes of their own.
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on the CPU"),
+]
 
 
 def ranks_of(pid: int) -> list[int]:

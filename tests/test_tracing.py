@@ -79,6 +79,7 @@ def attribute_values(span) -> list[str]:
     return [str(getattr(a.value, a.value.WhichOneof("value"))) for a in span.attributes]
 
 
+@pytest.mark.cluster
 def test_one_request_is_one_trace_across_all_four_services(traced):
     cluster, collector = traced
     with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
@@ -189,6 +190,7 @@ def metrics_listing(port: int, names: list[str], timeout: float = 10) -> dict[st
     return page
 
 
+@pytest.mark.cluster
 def test_each_service_lists_its_metrics(traced):
     cluster, _ = traced
     with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
@@ -212,6 +214,7 @@ def test_each_service_lists_its_metrics(traced):
     wait_until(lambda: scrape(port)[live] == 1, "the scheduler counts one live verifier", 10)
 
 
+@pytest.mark.cluster
 def test_the_planner_reads_acceptance_off_a_running_verifier(traced):
     cluster, _ = traced
     port = cluster.procs["verifier"].metrics_port
@@ -245,6 +248,7 @@ def test_step_spans_are_kept_at_their_own_ratio():
     assert kept("verifier.step", False) == kept("verifier.verify", False) == 0
 
 
+@pytest.mark.cluster
 def test_the_standard_otel_variables_alone_send_traces(tmp_path, tiny_model_dir, monkeypatch):
     """No otlp_endpoint in the config: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT says where spans go,
     OTEL_TRACES_SAMPLER how many, OTEL_RESOURCE_ATTRIBUTES what they carry."""

@@ -9,6 +9,8 @@ import re
 import threading
 from collections import Counter
 
+import pytest
+
 from conftest import cluster_config
 from helpers import Client
 from specserve.common.store import RequestStore
@@ -19,6 +21,7 @@ REQUESTS = 16
 MAX_TOKENS = 24
 
 
+@pytest.mark.cluster
 def test_two_schedulers_and_two_gateways_place_each_request_once(
     tmp_path, tiny_model_dir, tiny_model
 ):
