@@ -15,7 +15,7 @@ from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
-pytestmark = pytest.mark.default_model
+pytestmark = [pytest.mark.default_model, pytest.mark.cluster]
 
 
 def test_default_pair_greedy_matches_hf_with_speculation_on_and_off(tmp_path, tokenizer):

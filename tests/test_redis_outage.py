@@ -153,6 +153,7 @@ def test_an_outage_past_every_timer_restarts_nothing_and_loses_nothing(tmp_path,
     )
 
 
+@pytest.mark.cluster
 @pytest.mark.long
 def test_five_minutes_without_redis_restart_nothing_and_lose_nothing(tmp_path, tiny_model_dir):
     """The same, five minutes in real time, with every timer at its default."""
