@@ -32,16 +32,17 @@ DEVICE_KIND = DEVICE.partition(":")[0]  # as model versions name it: cuda:1 is c
 NOISE = 2.0
 
 
-_running: list[pytest.Item] = []  # the test being set up, run or torn down
+_running: pytest.Item | None = None  # the test being set up, run or torn down
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    _running.append(item)
+    global _running
+    _running = item
     try:
         return (yield)
     finally:
-        _running.pop()
+        _running = None
 
 
 _start_service = LocalCluster.start_service
@@ -49,8 +50,8 @@ _start_service = LocalCluster.start_service
 
 def _marked_start_service(self, name, *args, **kwargs):
     """LocalCluster.start_service, refused to a test without the `cluster` mark."""
-    if _running and _running[-1].get_closest_marker("cluster") is None:
-        pytest.fail(f"{_running[-1].nodeid} starts a {name}: mark it cluster (conftest.py)")
+    if _running is not None and _running.get_closest_marker("cluster") is None:
+        pytest.fail(f"{_running.nodeid} starts a {name}: mark it cluster (conftest.py)")
     return _start_service(self, name, *args, **kwargs)
 
 

@@ -29,6 +29,8 @@ from specserve.v1 import (
 )
 from specserve.verifier.reference import hf_greedy
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 PROMPTS = [
     "def fibonacci(n):",
     "class Stack:\n    def __init__(self):",
@@ -216,7 +218,6 @@ def assert_nothing_lost(row: dict) -> None:
 @pytest.mark.parametrize(
     "kind", ["verifier", "drafter", "scheduler", "gateway", "gateway-sigterm", "redis"]
 )
-@pytest.mark.cluster
 def test_killing_one_part_loses_nothing(chaos, store, expected, tokenizer, kind):
     row = run_workload(chaos, store, expected, tokenizer, kind, kill_and_restart(kind))
     assert_nothing_lost(row)
@@ -229,7 +230,6 @@ def test_killing_one_part_loses_nothing(chaos, store, expected, tokenizer, kind)
     assert all(not store.owned(v) for v in store.owners())
 
 
-@pytest.mark.cluster
 def test_sigterm_drains_a_verifier_with_no_failed_request(chaos, store, expected, tokenizer):
     codes = []
 
@@ -264,7 +264,6 @@ def wait_until_gone(stubs, rid: str, timeout: float = 10) -> int:
     raise AssertionError(f"{rid} still runs {timeout}s later")
 
 
-@pytest.mark.cluster
 def test_cancel_frees_the_slot_within_a_step_or_two(chaos, tokenizer):
     stubs = verifier_stubs(chaos)
     with grpc.insecure_channel(chaos.procs["gateway"].address) as channel:
@@ -292,7 +291,6 @@ def wait_ended(store: RequestStore, rid: str, timeout: float = 15):
     raise AssertionError(f"{rid} did not end within {timeout}s")
 
 
-@pytest.mark.cluster
 def test_a_passed_deadline_stops_the_work_and_reports_deadline_exceeded(chaos, store, tokenizer):
     ids = tokenizer(PROMPTS[1]).input_ids
     # The client's own deadline: it gets DEADLINE_EXCEEDED and the work stops.
@@ -334,7 +332,6 @@ def test_a_passed_deadline_stops_the_work_and_reports_deadline_exceeded(chaos, s
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-@pytest.mark.cluster
 def test_a_service_started_before_redis_waits_for_it(tmp_path):
     cluster = LocalCluster(cluster_config(None), tmp_path)
     cluster.redis_port = free_port()

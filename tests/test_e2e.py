@@ -11,6 +11,8 @@ from helpers import generate, request
 from specserve.v1 import common_pb2
 from specserve.verifier.reference import hf_greedy
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",
@@ -23,7 +25,6 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.cluster
 def test_greedy_matches_hf_generate(gateway, tokenizer, tiny_model):
     ids = tokenizer(PROMPTS[0]).input_ids
     res = generate(gateway, request(prompt_ids=ids, max_tokens=24))
@@ -33,13 +34,11 @@ def test_greedy_matches_hf_generate(gateway, tokenizer, tiny_model):
     assert res.final.usage.completion_tokens == 24
 
 
-@pytest.mark.cluster
 def test_text_prompt_is_tokenized_like_the_tokenizer(gateway, tokenizer, tiny_model):
     res = generate(gateway, request(prompt=PROMPTS[1], max_tokens=8))
     assert res.ids == hf_greedy(tiny_model, tokenizer(PROMPTS[1]).input_ids, 8)
 
 
-@pytest.mark.cluster
 def test_stream_deltas_and_indices(gateway, tokenizer):
     res = generate(gateway, request(prompt=PROMPTS[5], max_tokens=40))
     index = 0
@@ -53,7 +52,6 @@ def test_stream_deltas_and_indices(gateway, tokenizer):
     assert res.final.speculation.steps == 40
 
 
-@pytest.mark.cluster
 def test_concurrent_requests_all_complete_correctly(gateway, tokenizer, tiny_model):
     jobs = [(tokenizer(p).input_ids, 5 + 7 * i) for i, p in enumerate(PROMPTS)]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
@@ -67,7 +65,6 @@ def test_concurrent_requests_all_complete_correctly(gateway, tokenizer, tiny_mod
         assert res.final.usage.completion_tokens == len(res.ids)
 
 
-@pytest.mark.cluster
 def test_stop_string_ends_generation_and_is_not_returned(gateway):
     base = generate(gateway, request(prompt=PROMPTS[2], max_tokens=30))
     text = base.text
@@ -79,7 +76,6 @@ def test_stop_string_ends_generation_and_is_not_returned(gateway):
     assert res.final.usage.completion_tokens < 30
 
 
-@pytest.mark.cluster
 def test_seeded_sampling_is_reproducible(gateway):
     def sample(seed: int):
         params = common_pb2.SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=seed)
@@ -90,7 +86,6 @@ def test_seeded_sampling_is_reproducible(gateway):
     assert first != other
 
 
-@pytest.mark.cluster
 def test_chat_messages_use_the_chat_template(gateway, tokenizer):
     req = request(max_tokens=4)
     req.messages.messages.add(role="user", content="hello")
@@ -101,7 +96,6 @@ def test_chat_messages_use_the_chat_template(gateway, tokenizer):
     assert res.final.usage.prompt_tokens == len(tokenizer(text).input_ids)
 
 
-@pytest.mark.cluster
 def test_same_request_id_attaches_to_the_same_request(gateway, tokenizer):
     ids = tokenizer(PROMPTS[4]).input_ids
     first = generate(gateway, request(prompt_ids=ids, max_tokens=12, request_id="attach-1"))
@@ -110,7 +104,6 @@ def test_same_request_id_attaches_to_the_same_request(gateway, tokenizer):
     assert second.chunks[0].request_id == "attach-1"
 
 
-@pytest.mark.cluster
 def test_model_info(gateway, tokenizer):
     from specserve.v1 import generation_pb2
 
@@ -119,14 +112,12 @@ def test_model_info(gateway, tokenizer):
     assert info.max_seq_len == 2048
 
 
-@pytest.mark.cluster
 def test_deadline_exceeded_reaches_the_client(gateway):
     with pytest.raises(grpc.RpcError) as err:
         generate(gateway, request(prompt=PROMPTS[0], max_tokens=1000), timeout=0.3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-@pytest.mark.cluster
 def test_a_request_without_a_deadline_is_served(gateway):
     """No client deadline: gRPC reports an unbounded time remaining, which is not a deadline."""
     chunks = list(gateway.Generate(request(prompt="x = ", max_tokens=3)))

@@ -13,6 +13,8 @@ from specserve.common.store import req_key
 from specserve.gateway.validation import _lenient_class
 from specserve.v1 import common_pb2, generation_pb2, verifier_pb2, verifier_pb2_grpc
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 BAD = {
     "empty prompt": (request(prompt=""), "prompt"),
     "no prompt at all": (request(), "input"),
@@ -46,7 +48,6 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-@pytest.mark.cluster
 def test_invalid_argument_names_the_field(gateway, case):
     req, field = BAD[case]
     if req is None:
@@ -58,7 +59,6 @@ def test_invalid_argument_names_the_field(gateway, case):
     assert err.value.details().startswith(field), err.value.details()
 
 
-@pytest.mark.cluster
 def test_invalid_utf8_is_invalid_argument(tiny_cluster):
     lenient = _lenient_class()()
     lenient.prompt = b"caf\xc3("  # a broken two-byte sequence
@@ -90,7 +90,6 @@ def _wait_batch_empty(cluster, rid: str, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.cluster
 def test_client_disconnect_cancels_the_work(gateway, tiny_cluster):
     rid = "disconnect-1"
     call = gateway.Generate(request(prompt="Once", max_tokens=1000, request_id=rid), timeout=60)
@@ -103,7 +102,6 @@ def test_client_disconnect_cancels_the_work(gateway, tiny_cluster):
     assert int(r.hget(req_key(rid), "generated")) < 1000
 
 
-@pytest.mark.cluster
 def test_cancel_rpc_stops_the_stream(gateway, tiny_cluster):
     rid = "cancel-rpc-1"
     call = gateway.Generate(request(prompt="Once", max_tokens=1000, request_id=rid), timeout=60)
@@ -116,7 +114,6 @@ def test_cancel_rpc_stops_the_stream(gateway, tiny_cluster):
     assert not gateway.Cancel(generation_pb2.CancelRequest(request_id=rid), timeout=5).cancelled
 
 
-@pytest.mark.cluster
 def test_a_temperature_near_zero_decodes_greedily_over_grpc(gateway):
     """1e-40 passes validation; it once made every step fail (inf logits) until the deadline."""
     cold = common_pb2.SamplingParams(temperature=1e-40, seed=3)

@@ -17,6 +17,8 @@ from specserve.gateway.keys import KeyStore
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 BATCH = 4  # slots; a tenant may hold half of them (tenant_slot_share 0.5, the default)
 MAX_UNREAD = 16
 PAUSE_TIMEOUT = 3.0
@@ -66,7 +68,6 @@ def first_token(gateway, key: str, verifier) -> tuple[float, int]:
     return final.timings.ttft_ms / 1e3, steps
 
 
-@pytest.mark.cluster
 def test_a_tenant_hoarding_unread_streams_neither_blocks_another_nor_runs_on(cluster):
     r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     keys = KeyStore(r)

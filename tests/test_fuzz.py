@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from helpers import generate, request
 from specserve.v1 import common_pb2, generation_pb2
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 # What a hostile request may get back; anything else (UNKNOWN, INTERNAL, ...) is a bug.
 CLEAN = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -112,14 +114,12 @@ def call(gateway, req) -> None:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(req=requests())
-@pytest.mark.cluster
 def test_random_requests_get_clean_statuses(gateway, req):
     call(gateway, req)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(raw=st.binary(max_size=300) | st.just(b"\x0a\x03\xff\xfe\xfd"))
-@pytest.mark.cluster
 def test_random_bytes_get_clean_statuses(tiny_cluster, raw):
     with grpc.insecure_channel(tiny_cluster.procs["gateway"].address) as channel:
         method = channel.unary_stream(
@@ -134,7 +134,6 @@ def test_random_bytes_get_clean_statuses(tiny_cluster, raw):
             assert e.code() in CLEAN, (e.code(), e.details())
 
 
-@pytest.mark.cluster
 def test_an_oversized_message_is_refused_cleanly(gateway):
     req = request(prompt="x" * (5 * 1024 * 1024), max_tokens=2)
     with pytest.raises(grpc.RpcError) as err:
@@ -142,7 +141,6 @@ def test_an_oversized_message_is_refused_cleanly(gateway):
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-@pytest.mark.cluster
 def test_the_gateway_is_healthy_and_serves_after_the_fuzzing(gateway, tiny_cluster):
     print(f"\nfuzz: {ran['cases']} random requests, {ran['ok']} of them valid and served")
     with grpc.insecure_channel(tiny_cluster.procs["gateway"].address) as channel:

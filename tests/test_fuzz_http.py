@@ -15,6 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 TIMEOUT_S = 20
 CASES = 150
 CLEAN = {400, 403, 404, 405, 413, 415, 429}  # anything else but 200 is a bug
@@ -116,7 +118,6 @@ def bodies(draw, model: str) -> tuple[str, object]:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(data=st.data())
-@pytest.mark.cluster
 def test_random_bodies_get_clean_answers(port, model, data):
     path, body = data.draw(bodies(model))
     status, content_type, raw = call(port, "POST", path, json.dumps(body).encode())
@@ -133,7 +134,6 @@ def test_random_bodies_get_clean_answers(port, model, data):
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/x", "/"]),
     method=st.sampled_from(["POST", "GET", "PUT", "DELETE"]),
 )
-@pytest.mark.cluster
 def test_random_bytes_paths_and_methods_get_clean_answers(port, raw, content_type, path, method):
     status, ctype, answer = call(port, method, path, raw, content_type)
     if status == 200 and path == "/v1/models":
@@ -142,7 +142,6 @@ def test_random_bytes_paths_and_methods_get_clean_answers(port, raw, content_typ
     check(status, ctype, answer)
 
 
-@pytest.mark.cluster
 def test_a_normal_request_works_after_the_fuzzing(port, model):
     print(f"\nhttp fuzz: random bodies by status {dict(sorted(seen.items()))}")
     assert seen[200] and seen[400]  # (both kinds of body were drawn)

@@ -10,6 +10,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 SERVICES = {
     "gateway": "specserve.v1.GenerationService",
     "scheduler": "specserve.v1.SchedulerService",
@@ -19,7 +21,6 @@ SERVICES = {
 
 
 @pytest.mark.parametrize("name", list(SERVICES))
-@pytest.mark.cluster
 def test_health_and_reflection(tiny_cluster, name):
     with grpc.insecure_channel(tiny_cluster.procs[name].address) as channel:
         health = health_pb2_grpc.HealthStub(channel)

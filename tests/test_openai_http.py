@@ -28,6 +28,8 @@ from specserve.gateway.keys import KeyStore, quota_keys
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 # The Chat Completions example of the openai package's README, as it stands there: run with only
 # OPENAI_BASE_URL and OPENAI_API_KEY set (and the dev CA trusted, as SSL_CERT_FILE).
 README_MODEL = "gpt-5.5"
@@ -118,7 +120,6 @@ def post(api, certs, path: str, body, key: str | None = None, headers=None, meth
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Once upon"}]
 
 
-@pytest.mark.cluster
 def test_the_openai_client_chats_and_completes_streamed_and_not(api, certs, key):
     oa = client(api, certs, key)
     model = served_model(api, certs, key)
@@ -158,7 +159,6 @@ def test_the_openai_client_chats_and_completes_streamed_and_not(api, certs, key)
     assert "".join(parts) == done.choices[0].text and len(parts) > 1
 
 
-@pytest.mark.cluster
 def test_the_sdk_readme_script_runs_unchanged(api, certs, key):
     assert f'model="{README_MODEL}"' in README_SCRIPT
     env = {
@@ -174,7 +174,6 @@ def test_the_sdk_readme_script_runs_unchanged(api, certs, key):
     assert run.stdout.strip()
 
 
-@pytest.mark.cluster
 def test_curl_reads_server_sent_events(api, certs, key):
     body = {"model": README_MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 8}
     _, _, whole = post(api, certs, "/v1/chat/completions", body, key)
@@ -215,7 +214,6 @@ def open_stream(api, certs, key: str, max_tokens: int = 1000):
     return conn, response, "acme:" + first["id"].removeprefix("cmpl-")  # (the tenant's id)
 
 
-@pytest.mark.cluster
 def test_a_client_that_disconnects_mid_stream_cancels_its_request(api, certs, keys, key):
     conn, response, rid = open_stream(api, certs, key)
     r = redis.Redis.from_url(api.redis_url, decode_responses=True)
@@ -228,7 +226,6 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(api, certs, ke
     assert int(r.hget(req_key(rid), "generated")) < 1000
 
 
-@pytest.mark.cluster
 def test_greedy_output_over_http_is_the_grpc_output(api, certs, key):
     credentials = grpc.ssl_channel_credentials(certs["ca"].read_bytes())
     auth = [("authorization", f"Bearer {key}")]
@@ -257,7 +254,6 @@ def error_of(status: int, body: dict) -> dict:
     return body["error"]
 
 
-@pytest.mark.cluster
 def test_errors_come_in_openai_shape_with_its_statuses(api, certs, keys, key):
     ok = {"model": README_MODEL, "prompt": "x", "max_tokens": 2}
     cases = [  # (body, key, headers, status, param or None)
@@ -301,7 +297,6 @@ def test_errors_come_in_openai_shape_with_its_statuses(api, certs, keys, key):
     assert got == 403 and error_of(got, answer)
 
 
-@pytest.mark.cluster
 def test_a_key_over_its_stream_cap_gets_429_with_retry_after(api, certs, keys):
     free = keys.create("capped", "free", DEFAULT_TIERS["free"])  # 2 concurrent streams
     oa = client(api, certs, free)
@@ -323,7 +318,6 @@ def test_a_key_over_its_stream_cap_gets_429_with_retry_after(api, certs, keys):
         client(api, certs, "ssk_000000000000_" + "z" * 48).models.list()
 
 
-@pytest.mark.cluster
 def test_a_drain_cuts_http_streams_and_cancels_their_requests(api, certs, key):
     """(Last here: it stops the gateway.) A gRPC stream cut by a drain is re-attached to; an
     HTTP client cannot re-attach, so its request is cancelled rather than run for nobody."""

@@ -15,6 +15,8 @@ from specserve.common.store import req_key
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 
 @contextmanager
 def without_verifiers(tmp_path, model_dir, **scheduler):
@@ -29,7 +31,6 @@ def without_verifiers(tmp_path, model_dir, **scheduler):
         cluster.stop()
 
 
-@pytest.mark.cluster
 def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
     with without_verifiers(tmp_path, tiny_model_dir, interactive_queue_limit=2) as (cluster, stub):
         r = redis.Redis.from_url(cluster.redis_url)
@@ -62,7 +63,6 @@ def test_full_queue_is_resource_exhausted(tmp_path, tiny_model_dir):
             assert err.value.code() == grpc.StatusCode.CANCELLED
 
 
-@pytest.mark.cluster
 def test_waiting_past_the_class_timeout_is_deadline_exceeded(tmp_path, tiny_model_dir):
     timeout = {"interactive_queue_timeout_seconds": 1}
     with without_verifiers(tmp_path, tiny_model_dir, **timeout) as (cluster, stub):

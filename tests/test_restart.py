@@ -21,6 +21,8 @@ from specserve.common.store import req_key as request_key
 from specserve.local_cluster import LocalCluster
 from specserve.verifier.reference import hf_greedy
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 REQUESTS = 6  # 4 batch slots: 4 run when the kill comes, 2 wait
 KINDS = 3  # distinct prompts (each twice): the reference outputs are slow to compute
 
@@ -68,7 +70,6 @@ def seconds(ts: str) -> float:
     return datetime.datetime.fromisoformat(ts).timestamp()
 
 
-@pytest.mark.cluster
 def test_a_verifier_restarted_at_once_under_its_id_strands_nothing(
     cluster, store, expected, tokenizer
 ):
@@ -143,7 +144,6 @@ def claim_behind_its_back(store: RequestStore, rid: str, prompt: list[int], vid:
     assert pipe.execute() == [[0, 0], 1]
 
 
-@pytest.mark.cluster
 def test_a_request_its_verifier_does_not_run_is_requeued_and_completes(
     cluster, store, tiny_model, tokenizer
 ):

@@ -16,13 +16,14 @@ from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 
 def resume(stub, rid: str, index: int) -> Result:
     req = generation_pb2.GenerateRequest(request_id=rid, resume_from=index)
     return Result(list(stub.Generate(req, timeout=60)))
 
 
-@pytest.mark.cluster
 def test_resume_streams_the_rest_from_an_index(gateway, tokenizer):
     full = generate(gateway, request(prompt="x = [1, 2", max_tokens=20, request_id="resume-1"))
     for index in (0, 7, 20, 25):
@@ -44,7 +45,6 @@ def test_resume_streams_the_rest_from_an_index(gateway, tokenizer):
         ("no-such-request", 0, grpc.StatusCode.NOT_FOUND),
     ],
 )
-@pytest.mark.cluster
 def test_bad_resume_requests_get_a_clear_status(gateway, rid, index, code):
     with pytest.raises(grpc.RpcError) as err:
         resume(gateway, rid, index)
@@ -52,7 +52,6 @@ def test_bad_resume_requests_get_a_clear_status(gateway, rid, index, code):
     assert err.value.details()
 
 
-@pytest.mark.cluster
 def test_a_client_resumes_on_a_new_gateway_after_its_gateway_dies(
     tmp_path, tiny_model_dir, tiny_model, tokenizer
 ):
@@ -85,7 +84,6 @@ def test_a_client_resumes_on_a_new_gateway_after_its_gateway_dies(
         cluster.stop()
 
 
-@pytest.mark.cluster
 def test_two_thousand_clients_re_attaching_at_once_all_get_their_streams(tmp_path, tiny_model_dir):
     """After a gateway restarts, its clients re-attach together. A grpc.aio server takes new
     calls one loop turn at a time, and C-core refused the calls waiting past its default

@@ -16,6 +16,8 @@ from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "a b c a b c a b", "SELECT * FROM"]
 # Where the tiny draft (tiny_draft_dir) picks the tiny target's next token part of the time
 # (about a fifth to two fifths of it, greedy): drafts are both accepted and rejected.
@@ -66,7 +68,6 @@ def generate_all(stub, jobs: list[list[int]], max_tokens: int):
     ],
     ids=["draft-tree", "draft-chain", "ngram", "suffix", "hybrid", "hybrid-run-ahead"],
 )
-@pytest.mark.cluster
 def test_concurrent_greedy_requests_equal_the_targets_output(
     tmp_path, stub_of, tiny_model_dir, tiny_model, tokenizer, proposer, shape
 ):
@@ -123,7 +124,6 @@ def test_concurrent_greedy_requests_equal_the_targets_output(
         cluster.stop()
 
 
-@pytest.mark.cluster
 def test_completed_outputs_draft_the_next_request(tmp_path, stub_of, tiny_model_dir, tiny_model):
     """The drafter keeps a completed output (told with the verifier's last message for it),
     and the same request again drafts from it: fewer steps, the same, exact output."""
@@ -152,7 +152,6 @@ def test_completed_outputs_draft_the_next_request(tmp_path, stub_of, tiny_model_
 @pytest.mark.parametrize(
     "shape", [{"branching": 2, "width": 4}, {"branching": 1, "width": 1}], ids=["tree", "chain"]
 )
-@pytest.mark.cluster
 def test_an_imperfect_draft_is_rejected_where_it_errs_and_the_output_stays_the_targets(
     tmp_path, stub_of, tiny_model_dir, tiny_draft_dir, tiny_model, tokenizer, shape
 ):
@@ -197,7 +196,6 @@ def test_an_imperfect_draft_is_rejected_where_it_errs_and_the_output_stays_the_t
         cluster.stop()
 
 
-@pytest.mark.cluster
 def test_killing_the_drafter_mid_stream_changes_nothing_the_client_sees(
     tmp_path, stub_of, tiny_model_dir, tiny_draft_dir, tiny_model, tokenizer
 ):
@@ -237,7 +235,6 @@ def test_killing_the_drafter_mid_stream_changes_nothing_the_client_sees(
         cluster.stop()
 
 
-@pytest.mark.cluster
 def test_a_stalled_drafter_is_not_waited_for(
     tmp_path, stub_of, tiny_model_dir, tiny_draft_dir, tiny_model, tokenizer
 ):
@@ -277,7 +274,6 @@ def test_a_stalled_drafter_is_not_waited_for(
         cluster.stop()
 
 
-@pytest.mark.cluster
 def test_drafters_join_and_leave_while_requests_stream(
     tmp_path, stub_of, tiny_model_dir, tiny_model, tokenizer
 ):

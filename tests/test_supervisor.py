@@ -186,7 +186,7 @@ def up_config(tiny_model_dir):
     )
 
 
-@pytest.mark.cluster  # (`specserve up`: a cluster of its own)
+@pytest.mark.cluster
 def test_up_restarts_each_member_killed_mid_stream_and_loses_nothing(
     tmp_path, up_config, tiny_model, tokenizer
 ):
@@ -231,7 +231,7 @@ def test_up_restarts_each_member_killed_mid_stream_and_loses_nothing(
         up.stop()
 
 
-@pytest.mark.cluster  # (`specserve up`: a cluster of its own)
+@pytest.mark.cluster
 def test_up_stops_with_the_member_that_crash_loops(tmp_path, up_config):
     up = Up(tmp_path, up_config, "--max-restarts", "2")
     try:
@@ -257,7 +257,7 @@ def test_up_stops_with_the_member_that_crash_loops(tmp_path, up_config):
         up.stop()
 
 
-@pytest.mark.cluster  # (`specserve up`: a cluster of its own)
+@pytest.mark.cluster
 def test_up_names_a_member_that_cannot_start(tmp_path, up_config):
     up_config["drafter"]["draft_model_path"] = str(tmp_path / "no-such-model")
     up = Up(tmp_path, up_config)

@@ -17,11 +17,12 @@ from specserve.common.store import RequestStore
 from specserve.local_cluster import LocalCluster
 from specserve.verifier.reference import hf_greedy
 
+pytestmark = pytest.mark.cluster  # every test here runs a cluster
+
 REQUESTS = 16
 MAX_TOKENS = 24
 
 
-@pytest.mark.cluster
 def test_two_schedulers_and_two_gateways_place_each_request_once(
     tmp_path, tiny_model_dir, tiny_model
 ):
