@@ -406,16 +406,22 @@ class RequestStore:
 
     @classmethod
     def from_url(
-        cls, url: str, cluster: bool = False, wait_replicas: int = 0, wait_timeout_ms: int = 1000
+        cls,
+        url: str,
+        cluster: bool = False,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+        retries: int = 10,
     ) -> RequestStore:
         """A client that rides out a short Redis outage: a command that meets a dropped
-        connection is retried with exponential backoff (about 6 s in all) before it fails.
+        connection is retried `retries` times with exponential backoff (with the default 10,
+        about 6 s in all) before it fails.
         Every write here is safe to repeat (scripts check state; steps are written by index).
         With `cluster`, `url` names one node of a Redis Cluster (the client finds the rest and
         follows slots as they move); with `wait_replicas`, a request's creation and its end
         are acknowledged only once that many replicas hold them (`NotReplicated` if not
         within `wait_timeout_ms`)."""
-        retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=10)
+        retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=retries)
         kwargs: dict[str, Any] = dict(
             decode_responses=True,
             socket_connect_timeout=2,
