@@ -152,22 +152,56 @@ class LocalCluster:
         common["redis_url"] = self.redis_url
         self.config_path.touch(mode=0o600)  # it may hold credentials
         self.config_path.write_text(yaml.safe_dump(self.config))
+        discovered = self._verifier_discovers_the_drafter(services)
         try:
             for name in services:
                 env = {}
                 if name == "gateway":
                     env["SPECSERVE_GATEWAY_SCHEDULER_ADDRESS"] = self.procs["scheduler"].address
-                if name == "verifier" and "drafter" in services:
+                if name == "verifier" and "drafter" in services and not discovered:
                     if not self.config.get("verifier", {}).get("drafter_addresses"):
                         drafter = self.procs["drafter"].address
                         env["SPECSERVE_VERIFIER_DRAFTER_ADDRESSES"] = f'["{drafter}"]'
-                self.start_service(name, env, port=gateway_port if name == "gateway" else 0)
+                port = gateway_port if name == "gateway" else 0
+                wait = not (discovered and name == "drafter")  # (the verifier needs no address)
+                self.start_service(name, env, port=port, wait=wait)
             for name in services:
                 self.wait_ready(name, timeout)
+            if discovered:
+                self._wait_registered("drafter", self.procs["drafter"].port, timeout)
         except BaseException:  # a half-started cluster leaves nothing running behind
             self.stop()
             raise
         return self
+
+    def _verifier_discovers_the_drafter(self, services: tuple[str, ...]) -> bool:
+        """Whether the verifier finds the drafter in the registry (as it does on Kubernetes),
+        so the two load their models side by side instead of the verifier waiting for the
+        drafter's port: no drafter address is configured, discovery is on, one rollout pool."""
+        if "drafter" not in services or "verifier" not in services:
+            return False
+        verifier, drafter = self.config.get("verifier", {}), self.config.get("drafter", {})
+        return (
+            not verifier.get("drafter_addresses")
+            and verifier.get("discover_drafters", True)
+            and verifier.get("pool", "stable") == drafter.get("pool", "stable")
+        )
+
+    def _wait_registered(self, kind: str, port: int, timeout: float) -> None:
+        """Waits until a member of `kind` serving on `port` is in the registry: verifiers
+        see it from their next step on."""
+        from .common.store import RequestStore
+
+        cluster = bool(self.config.get("common", {}).get("redis_cluster"))
+        store = RequestStore.from_url(self.redis_url, cluster=cluster)
+        deadline = time.monotonic() + timeout
+        try:
+            while not any(m.get("address", "").endswith(f":{port}") for m in store.live(kind)):
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"no {kind} on port {port} registered after {timeout:.0f}s")
+                time.sleep(0.05)
+        finally:
+            store.r.close()
 
     def start_service(
         self,
