@@ -325,7 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--ca",
         default=os.environ.get("SPECSERVE_CA"),
         help="CA certificate to check the gateway's TLS certificate with (default: env "
-        "SPECSERVE_CA); without it, plaintext",
+        "SPECSERVE_CA); without it, plaintext (with --api-key: only with --insecure)",
+    )
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext even with --api-key: anyone on the path reads the key (development "
+        "clusters started without TLS only)",
     )
     g.add_argument(
         "--api-key",

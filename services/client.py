@@ -32,6 +32,13 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
 
 
 def generate_to_terminal(args: argparse.Namespace) -> int:
+    if args.api_key and not args.ca and not args.insecure:
+        print(
+            "error: an API key is never sent in plaintext: pass --ca with the gateway's CA "
+            "(or set SPECSERVE_CA), or --insecure for a development cluster without TLS",
+            file=sys.stderr,
+        )
+        return 2
     if args.ca:
         with open(args.ca, "rb") as f:
             channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(f.read()))

@@ -414,7 +414,7 @@ def print_usage(cluster: LocalCluster, ca: Path | str | None, took: float) -> No
     for key in cluster.members():
         print(f"  {key:<10} pid {cluster.pid(key):<8} {cluster.address(key)}", flush=True)
     gateway = cluster.procs["gateway"].address
-    key, env, flags = dev_key(cluster), "", ""
+    key, env, flags, plain = dev_key(cluster), "", "", ""
     if key:
         env, flags = f"SPECSERVE_API_KEY={key} ", f"-H 'authorization: Bearer {key}' "
         print(f"\ndev API key (tenant dev): {key}", flush=True)
@@ -423,10 +423,11 @@ def print_usage(cluster: LocalCluster, ca: Path | str | None, took: float) -> No
         print(f"TLS on every port; the dev CA: {ca}", flush=True)
     else:
         flags += "-plaintext "
+        plain = "--insecure " if key else ""  # (a key is sent in plaintext only if told)
     print(
         f"\nready in {took:.1f}s. gateway: {gateway}  redis: {cluster.redis_url}\n"
         f"try:  {env}"
-        f'specserve generate --address {gateway} "Write a Python function that '
+        f'specserve generate --address {gateway} {plain}"Write a Python function that '
         'reverses a string."\n'
         f"  or: grpcurl {flags}"
         f'-d \'{{"prompt": "def fib(n):", "max_tokens": 32}}\' '

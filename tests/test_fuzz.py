@@ -20,6 +20,7 @@ pytestmark = pytest.mark.cluster  # every test here runs a cluster
 
 # What a hostile request may get back; anything else (UNKNOWN, INTERNAL, ...) is a bug.
 CLEAN = {
+    grpc.StatusCode.ALREADY_EXISTS,  # a request_id drawn again for another request
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.RESOURCE_EXHAUSTED,

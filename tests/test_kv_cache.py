@@ -160,3 +160,20 @@ def test_only_blocks_of_known_tokens_are_sealed():
     assert not kv.sealable(3) and kv.sealable(4)
     kv.seal(list(range(9)))
     assert len(kv.hashes) == 2 and p.cached == 2
+
+
+def test_cached_blocks_are_shared_within_a_scope_only():
+    """A sequence reuses the blocks another sealed only in the same prefix scope (a tenant,
+    under `prefix_cache_scope: tenant`); scope "" (global) is one scope of its own."""
+    p = pool(blocks=16)
+    tokens = list(range(13))  # 3 full blocks before the last token
+    sealer = SequenceKV(p, scope="tenant-a")
+    sealer.reserve(len(tokens))
+    sealer.length = len(tokens)
+    sealer.seal(tokens)
+    assert len(sealer.hashes) == 3
+    reused = {
+        scope: SequenceKV.start(p, tokens, reuse=True, scope=scope).length
+        for scope in ("tenant-a", "tenant-b", "")
+    }
+    assert reused == {"tenant-a": 12, "tenant-b": 0, "": 0}

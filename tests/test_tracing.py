@@ -248,6 +248,22 @@ def test_step_spans_are_kept_at_their_own_ratio():
     assert kept("verifier.step", False) == kept("verifier.verify", False) == 0
 
 
+def test_a_callers_traceparent_decides_nothing_at_the_gateway():
+    """Finding 8 of the tenant-isolation review: a client's traceparent with the sampled flag
+    had every request traced past `trace_sample_ratio`. At the gateway the ratio decides (the
+    trace keeps the caller's id); behind it, every hop follows the gateway's decision."""
+    edge, inside = StepSampler(0.0, 1.0, edge=True), StepSampler(0.0, 1.0)
+    flags = TraceFlags(TraceFlags.SAMPLED)
+    ctx = SpanContext(trace_id=5, span_id=9, is_remote=True, trace_flags=flags)
+    sampled_parent = trace.set_span_in_context(NonRecordingSpan(ctx))
+    assert not edge.should_sample(sampled_parent, 5, "gateway.generate").decision.is_sampled()
+    assert inside.should_sample(sampled_parent, 5, "scheduler.submit").decision.is_sampled()
+    everything = StepSampler(1.0, 1.0, edge=True)
+    unsampled = SpanContext(trace_id=5, span_id=9, is_remote=True, trace_flags=TraceFlags(0))
+    unsampled_parent = trace.set_span_in_context(NonRecordingSpan(unsampled))
+    assert everything.should_sample(unsampled_parent, 5, "gateway.generate").decision.is_sampled()
+
+
 @pytest.mark.cluster
 def test_the_standard_otel_variables_alone_send_traces(tmp_path, tiny_model_dir, monkeypatch):
     """No otlp_endpoint in the config: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT says where spans go,

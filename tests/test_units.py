@@ -255,6 +255,31 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
     assert budgets(False, **adaptive, deep_tree_size=0) == [(6, 0)] * 3
 
 
+def test_a_pinned_tree_size_stays_within_the_operators_largest_tree():
+    """A request may pin speculation.tree_size (up to 256 at the gateway); the verifier grows
+    no tree past the larger of verification_tree_size and deep_tree_size for it, so one
+    client cannot slow its batch-mates' steps with trees the operator never allowed."""
+    from types import SimpleNamespace
+
+    from helpers import make_sequence
+    from specserve.common.settings import VerifierSettings
+    from specserve.verifier.speculator import Speculator
+
+    settings = VerifierSettings.load(
+        None,
+        speculative_decoding=True,
+        discover_drafters=False,
+        verification_tree_size=6,
+        deep_tree_size=40,
+    )
+    speculator = Speculator(settings, vocab_size=1000)
+    seq = make_sequence([5, 6, 7], output=[8], max_tokens=500)
+    seq.kv = SimpleNamespace(length=3)
+    for pinned, cap in ((256, 40), (20, 20), (3, 3)):
+        seq.tree_size = pinned
+        assert speculator.cap(seq) == speculator.cap(seq, settings.deep_tree_size) == cap
+
+
 def test_a_model_free_tree_with_draft_distributions_is_dropped():
     from specserve.common.settings import VerifierSettings
     from specserve.common.tree import DraftTree, to_proto

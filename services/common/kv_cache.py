@@ -63,7 +63,8 @@ class KVPool:
             raise ValueError(f"block_size ({block_size}) and blocks ({blocks}) must be >= 1")
         self.block_size = block_size
         self.fixed = fixed
-        self.root = prefix.root(model_version)  # the parent hash of every first block
+        self.model_version = model_version
+        self.root = prefix.root(model_version)  # the parent hash of every unscoped first block
         shape = (layers, blocks * block_size, kv_heads, head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
@@ -245,22 +246,30 @@ class SequenceKV:
     The first len(hashes) blocks of the table are sealed (cached, perhaps shared): their
     entries are committed and never rewritten. Blocks are taken as positions are written."""
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, scope: str = ""):
         self.pool = pool
+        # The parent hash of its first block: blocks are shared only within one scope.
+        self.root = prefix.root(pool.model_version, scope) if scope else pool.root
         self.table: list[int] = []  # block ids, in position order
         self.hashes: list[int] = []  # prefix hashes of the sealed blocks table[:len(hashes)]
         self.length = 0
 
     @classmethod
     def start(
-        cls, pool: KVPool, token_ids: list[int], *, reuse: bool, keep_free: int = 0
+        cls,
+        pool: KVPool,
+        token_ids: list[int],
+        *,
+        reuse: bool,
+        keep_free: int = 0,
+        scope: str = "",
     ) -> SequenceKV:
         """A sequence holding the blocks of `token_ids` and of the token after them: the cached
-        blocks of their longest cached prefix by reference (when `reuse`; its length is past
-        them), new ones for the rest. Raises OutOfBlocks, holding nothing, unless `keep_free`
-        blocks are left over (capacity.admission_blocks: the rule admission and resumption
-        share)."""
-        kv = cls(pool)
+        blocks of their longest cached prefix in `scope` by reference (when `reuse`; its
+        length is past them), new ones for the rest. Raises OutOfBlocks, holding nothing,
+        unless `keep_free` blocks are left over (capacity.admission_blocks: the rule admission
+        and resumption share)."""
+        kv = cls(pool, scope)
         if reuse:
             kv.reuse(token_ids)
         need = admission_blocks(len(token_ids), len(kv.table), pool.block_size)
@@ -297,7 +306,7 @@ class SequenceKV:
         if self.table:
             raise ValueError("reuse starts an empty sequence")
         size = self.pool.block_size
-        hashes = prefix.block_hashes(token_ids[: len(token_ids) - 1], size, self.pool.root)
+        hashes = prefix.block_hashes(token_ids[: len(token_ids) - 1], size, self.root)
         self.table = self.pool.lookup(hashes)
         self.hashes = hashes[: len(self.table)]
         self.length = len(self.table) * size
@@ -313,7 +322,7 @@ class SequenceKV:
         positions 0.. (past the last of them nothing is sealed: a sequence that ended inside
         an accepted draft path holds entries of tokens it never emitted)."""
         size = self.pool.block_size
-        parent = self.hashes[-1] if self.hashes else self.pool.root
+        parent = self.hashes[-1] if self.hashes else self.root
         for index in range(len(self.hashes), min(self.length, len(token_ids)) // size):
             parent = prefix.chain(parent, token_ids[index * size : (index + 1) * size])
             self.pool.seal(self.table[index], parent)

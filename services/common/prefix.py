@@ -1,7 +1,8 @@
 """Prefix hashes: one per full KV block, chained, so that a block's hash names its whole prefix.
 
 hash(block i) = H(hash(block i-1), token ids of block i), and block 0's parent is a root made
-from the model version: equal hashes mean equal tokens from position 0 under the same weights.
+from the model version and the scope (the tenant, unless `prefix_cache_scope: global`): equal
+hashes mean equal tokens from position 0 under the same weights, in the same scope.
 The verifier keys its cached blocks by them (kv_cache.py); it publishes a summary of them in its
 heartbeat, and the scheduler hashes a waiting prompt the same way to find the verifier that
 already holds the longest part of it (placement.py). The hashes are stable across processes.
@@ -14,9 +15,16 @@ from array import array
 from collections.abc import Iterable
 
 
-def root(model_version: str) -> int:
-    """The parent hash of a sequence's first block."""
-    return _digest(b"specserve-prefix\0" + model_version.encode())
+def root(model_version: str, scope: str = "") -> int:
+    """The parent hash of a sequence's first block: of the model version, and of the scope
+    whose sequences may share blocks (a tenant; "" for all, `prefix_cache_scope: global`)."""
+    scoped = f"\0{scope}" if scope else ""
+    return _digest(b"specserve-prefix\0" + (model_version + scoped).encode())
+
+
+def scope_of(setting: str, tenant: str) -> str:
+    """The prefix scope of a tenant's request under `prefix_cache_scope`."""
+    return tenant if setting == "tenant" else ""
 
 
 def chain(parent: int, token_ids: Iterable[int]) -> int:

@@ -95,6 +95,14 @@ class ServiceSettings(BaseSettings):
         default=1000, gt=0, description="How long a write waits for redis_wait_replicas."
     )
     log_level: LogLevel = "INFO"
+    prefix_cache_scope: Literal["tenant", "global"] = Field(
+        default="tenant",
+        description="Whose earlier requests a request's cached prompt blocks and cached "
+        "result may come from: its tenant's (default) or anyone's. It keys the verifiers' "
+        "prefix cache, the scheduler's placement by it and the gateways' result cache; "
+        "`global` lets one tenant learn from `cached_prompt_tokens`, `cached` and timings what "
+        "another sent (one trust domain only). Set it in `common`: all must agree.",
+    )
     timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of internal RPCs.")
     otlp_endpoint: str | None = Field(
         default=None, description="OTLP/gRPC collector for traces (Jaeger: :4317); none: off."

@@ -173,6 +173,8 @@ def now_ms() -> int:
 # (`submits`), so a WAIT after it covers the creation too (replication keeps its order).
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
+  local fp = redis.call('HGET', KEYS[1], 'fingerprint')
+  if fp and fp ~= ARGV[7] then return {3, 0} end
   redis.call('HINCRBY', KEYS[1], 'submits', 1)
   return {1, 0}
 end
@@ -180,7 +182,7 @@ local waiting = tonumber(redis.call('GET', KEYS[3]) or '0')
 if waiting >= tonumber(ARGV[3]) then return {2, waiting} end
 local id = redis.call('XADD', KEYS[2], '*', 'rid', ARGV[6])
 redis.call('HSET', KEYS[1], 'spec', ARGV[1], 'status', 'queued', 'queue', ARGV[4],
-           'entry_id', id, 'created_ms', ARGV[5], 'generated', 0)
+           'entry_id', id, 'created_ms', ARGV[5], 'generated', 0, 'fingerprint', ARGV[7])
 redis.call('INCR', KEYS[3])
 return {0, waiting}
 """
@@ -525,9 +527,13 @@ class RequestStore:
         raise AssertionError("unreachable")
 
     # --- scheduler side -------------------------------------------------------------------
-    def create(self, rid: str, spec: dict[str, Any], cls: str, limit: int) -> tuple[int, int]:
-        """Persists and queues a request. Returns (code, waiting): 0 created, 1 existed, 2 full.
-        On Redis Cluster the limit holds per shard: `limit` / CLUSTER_SHARDS (rounded up)."""
+    def create(
+        self, rid: str, spec: dict[str, Any], cls: str, limit: int, fingerprint: str = ""
+    ) -> tuple[int, int]:
+        """Persists and queues a request. Returns (code, waiting): 0 created, 1 existed (with
+        the same `fingerprint`: what the request asks), 2 full, 3 the id is taken by a request
+        with another fingerprint. On Redis Cluster the limit holds per shard: `limit` /
+        CLUSTER_SHARDS (rounded up)."""
         at = self.layout
         shard = at.shard_of(rid)
         if self.layout.shards > 1:
@@ -535,7 +541,7 @@ class RequestStore:
         code, waiting = self._durable(
             self._create,
             [at.req(rid), at.queue(cls, shard), at.queued(cls, shard)],
-            [json.dumps(spec), GROUP, limit, cls, now_ms(), rid],
+            [json.dumps(spec), GROUP, limit, cls, now_ms(), rid, fingerprint],
         )
         return int(code), int(waiting)
 

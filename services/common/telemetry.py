@@ -51,10 +51,19 @@ class StepSampler(Sampler):
     """A request's trace is sampled at `ratio` where it starts and followed by every hop
     (ParentBased); a step span (STEP_SPANS), and so what runs under it, is kept for
     `step_ratio` of the steps only, so a minutes-long request's trace holds a sample of its
-    steps rather than every one."""
+    steps rather than every one.
 
-    def __init__(self, ratio: float, step_ratio: float):
-        self.requests = ParentBased(TraceIdRatioBased(ratio))
+    At the `edge` (the gateway) a caller's traceparent gives the trace its id but not its
+    decision: the ratio decides there too, so a client cannot have every request traced."""
+
+    def __init__(self, ratio: float, step_ratio: float, edge: bool = False):
+        by_ratio = TraceIdRatioBased(ratio)
+        if edge:
+            self.requests = ParentBased(
+                by_ratio, remote_parent_sampled=by_ratio, remote_parent_not_sampled=by_ratio
+            )
+        else:
+            self.requests = ParentBased(by_ratio)
         self.step_ratio = step_ratio
 
     def should_sample(
@@ -108,7 +117,7 @@ def setup(
     sampler = (
         None
         if os.environ.get("OTEL_TRACES_SAMPLER")
-        else StepSampler(sample_ratio, step_sample_ratio)
+        else StepSampler(sample_ratio, step_sample_ratio, edge=service == "gateway")
     )
     if otlp_endpoint:  # (an http:// or https:// scheme says whether it is TLS; none: plaintext)
         exporter = OTLPSpanExporter(

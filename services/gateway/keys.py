@@ -134,9 +134,17 @@ class KeyStore:
         self._release = client.register_script(_RELEASE)
 
     # --- keys -------------------------------------------------------------------------------
-    def create(self, tenant: str, tier: str, limits: Tier, key: str | None = None) -> str:
+    def create(
+        self,
+        tenant: str,
+        tier: str,
+        limits: Tier,
+        key: str | None = None,
+        revoked: bool | None = False,
+    ) -> str:
         """Stores a key (a new random one unless `key` is given) and returns it; only its
-        digest is kept."""
+        digest is kept. `revoked` None keeps what Redis says of a key stored before (a key
+        new to Redis is live)."""
         if not TENANT.fullmatch(tenant):
             raise ValueError(f"tenant {tenant!r}: 1 to 63 of a-z, 0-9 and -, starting alphanumeric")
         if key is None:
@@ -147,12 +155,15 @@ class KeyStore:
             "tenant": tenant,
             "tier": tier,
             "created_ms": now_ms(),
-            "revoked": 0,
             **{name: int(value) for name, value in limits.model_dump().items()},
         }
         # One transaction on one Redis; on Redis Cluster two slots: the record first.
         pipe = self.r.pipeline(transaction=not isinstance(self.r, RedisCluster))
         pipe.hset(key_record(key_id), mapping=record)
+        if revoked is None:
+            pipe.hsetnx(key_record(key_id), "revoked", 0)
+        else:
+            pipe.hset(key_record(key_id), "revoked", int(revoked))
         pipe.sadd(KEY_IDS, key_id)
         pipe.execute()
         return key
@@ -175,13 +186,20 @@ class KeyStore:
         return rows
 
     def seed(self, path: str | Path, tiers: dict[str, Tier]) -> int:
-        """Stores the keys listed in a YAML file ([{key, tenant, tier}]); returns how many."""
+        """Stores the keys listed in a YAML file ([{key, tenant, tier, revoked}]); returns how
+        many. Every gateway start seeds, so seeding never un-revokes: a key revoked in Redis
+        (`specserve keys revoke`) stays revoked, and `revoked: true` in the file revokes."""
         entries = yaml.safe_load(Path(path).read_text()) or []
         for entry in entries:
             tier = entry.get("tier", "standard")
             if tier not in tiers:
                 raise ValueError(f"{path}: unknown tier {tier!r} (known: {sorted(tiers)})")
-            self.create(entry["tenant"], tier, tiers[tier], key=entry["key"])
+            revoked = entry.get("revoked", False)
+            if not isinstance(revoked, bool):
+                raise ValueError(f"{path}: revoked must be true or false, not {revoked!r}")
+            self.create(
+                entry["tenant"], tier, tiers[tier], key=entry["key"], revoked=revoked or None
+            )
         return len(entries)
 
     def authenticate(self, key: str) -> Principal:

@@ -29,13 +29,18 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", "permission_denied"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
     grpc.StatusCode.CANCELLED: (409, "cancelled", "request_cancelled"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "request_id_in_use"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.INTERNAL: (500, "server_error", None),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded"),
 }
 # What a client must not send again as it is (the openai client retries 409 and 5xx unless told).
-NOT_RETRIED = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+NOT_RETRIED = {
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ALREADY_EXISTS,
+}
 INT32_MAX = 2**31 - 1
 FINISH = {
     common_pb2.FINISH_REASON_LENGTH: "length",

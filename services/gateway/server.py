@@ -17,7 +17,7 @@ import grpc
 from google.protobuf import json_format
 from opentelemetry import trace
 
-from ..common import models, telemetry
+from ..common import models, prefix, telemetry
 from ..common.grpc_server import AioServer, retrying_channel
 from ..common.outage import REDIS_ERRORS
 from ..common.rollout import by_pool, choose_pool, pool_shares, versions
@@ -42,6 +42,7 @@ from .validation import (
     InvalidRequest,
     Limits,
     check_fits,
+    check_id,
     check_prompt_length,
     find_invalid_utf8,
     validate,
@@ -64,6 +65,7 @@ PASS_THROUGH = (
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ALREADY_EXISTS,
 )
 
 
@@ -101,6 +103,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         loop: asyncio.AbstractEventLoop,
     ):
         self.settings = settings
+        self.cache_scope = settings.prefix_cache_scope
         self.tokenizer = tokenizer
         self.store = store
         self.scheduler = scheduler
@@ -192,7 +195,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             ids.extend(chunk.token_ids)
             final = chunk.final if chunk.HasField("final") else None
             if final and final.model_version:  # keyed on what produced it
-                key = result_cache_key(submit, final.model_version)
+                key = result_cache_key(submit, final.model_version, self.cache_scope)
                 await self._io(self._cache_result, key, ids, final)
             yield chunk
 
@@ -329,7 +332,8 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         try:
             verifiers, share = self.store.live_verifiers(), self.store.rollout()["canary_share"]
             for version in serving_versions(verifiers, share, submit.request_id):
-                if hit := self.store.cached_result(result_cache_key(submit, version)):
+                key = result_cache_key(submit, version, self.cache_scope)
+                if hit := self.store.cached_result(key):
                     return hit
             return None
         except REDIS_ERRORS:
@@ -392,6 +396,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             )
         if start < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resume_from: must be >= 0")
+        await self._check_id(request.request_id, context)
         call.public_id, call.resumed = request.request_id, True
         call.rid = call.who.scoped(request.request_id)
         record = await self._record(call.rid, call.public_id, context)
@@ -399,6 +404,14 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         call.priority = record.queue
         await self._open_stream(call, context, new_request=False)
         return self._stream(call, list(record.spec.get("stop", [])), context, start)
+
+    @staticmethod
+    async def _check_id(request_id: str, context) -> None:
+        """INVALID_ARGUMENT for an id no request can have (before it reaches Redis)."""
+        try:
+            check_id("request_id", request_id)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def _record(self, rid: str, public_id: str, context):
         """The request's record; NOT_FOUND if it does not exist for this caller (another
@@ -450,7 +463,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             priority=priority,
             speculation=req.speculation,
             deadline_unix_ms=deadline_ms,
-            session_id=req.session_id,
+            session_id=who.scoped(req.session_id) if req.session_id else "",  # a tenant's own
             tenant=who.tenant,
         )
 
@@ -568,6 +581,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         who = await self.authenticate(context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        await self._check_id(request.request_id, context)
         rid = who.scoped(request.request_id)
         await self._record(rid, request.request_id, context)
         try:
@@ -629,13 +643,17 @@ def replayable(submit: scheduler_pb2.SubmitRequest) -> bool:
     return submit.sampling.temperature <= 0 or submit.sampling.HasField("seed")
 
 
-def result_cache_key(submit: scheduler_pb2.SubmitRequest, model_version: str) -> str:
+def result_cache_key(
+    submit: scheduler_pb2.SubmitRequest, model_version: str, scope: str = "tenant"
+) -> str:
     """The result cache key of a replayable request. `model_version` is the served version
     (models.served_version: weights, dtype, device), so a result replays only where the same
-    version would serve the request again. Speculation does not change a greedy output, so
-    it is not part of a greedy key."""
+    version would serve the request again; under `prefix_cache_scope` (`scope`) tenant, only
+    to the tenant whose request made it. Speculation does not change a greedy output, so it
+    is not part of a greedy key."""
     sampling = submit.sampling
     parts = {
+        "scope": prefix.scope_of(scope, submit.tenant),
         "model": model_version,
         "prompt": list(submit.prompt_ids),
         "max_tokens": submit.max_tokens,

@@ -11,7 +11,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from ..common.capacity import kv_fit_problem
 from ..v1 import common_pb2, generation_pb2
 
-REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # request and session ids, matched whole
 
 
 class InvalidRequest(ValueError):
@@ -81,10 +81,17 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits) -> None:
         raise InvalidRequest("speculation.mode", f"unknown mode {req.speculation.mode}")
     if req.speculation.HasField("tree_size") and not 0 <= req.speculation.tree_size <= 256:
         raise InvalidRequest("speculation.tree_size", "must be in [0, 256]")
-    if req.request_id and not REQUEST_ID_RE.match(req.request_id):
-        raise InvalidRequest("request_id", "1 to 128 characters of A-Z a-z 0-9 . _ : -")
-    if req.session_id and not REQUEST_ID_RE.match(req.session_id):
-        raise InvalidRequest("session_id", "1 to 128 characters of A-Z a-z 0-9 . _ : -")
+    if req.request_id:
+        check_id("request_id", req.request_id)
+    if req.session_id:
+        check_id("session_id", req.session_id)
+
+
+def check_id(field: str, value: str) -> None:
+    """A request or session id: 1 to 128 of A-Z a-z 0-9 . _ : -, nothing else (no newline)."""
+    if not ID_RE.fullmatch(value):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise InvalidRequest(field, f"1 to 128 characters of A-Z a-z 0-9 . _ : -, got {shown!r}")
 
 
 def _validate_sampling(s: common_pb2.SamplingParams) -> None:

@@ -94,6 +94,7 @@ class Want:
     pool: str | None = None  # only verifiers of this rollout pool
     version: str | None = None  # only verifiers of this model version (it started there)
     prompt_ids: list[int] | None = None  # hashed for prefix-aware placement (None: not)
+    prefix_scope: str = ""  # whose cached blocks it may use (prefix.scope_of)
     _hashes: dict[tuple[str, int], list[int]] = field(default_factory=dict, repr=False)
 
     def eligible(self, loads: list[VerifierLoad]) -> list[VerifierLoad]:
@@ -109,7 +110,7 @@ class Want:
         if key not in self._hashes:
             ids = self.prompt_ids or []
             self._hashes[key] = prefix.block_hashes(
-                ids[: len(ids) - 1], block_size, prefix.root(version)
+                ids[: len(ids) - 1], block_size, prefix.root(version, self.prefix_scope)
             )
         return self._hashes[key]
 

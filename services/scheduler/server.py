@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import threading
@@ -11,7 +12,7 @@ from collections import Counter, deque
 import grpc
 from google.protobuf import json_format
 
-from ..common import telemetry
+from ..common import prefix, telemetry
 from ..common.capacity import kv_fit_problem
 from ..common.grpc_server import Server, retrying_channel
 from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
@@ -54,6 +55,17 @@ def ended_final(reason: str, prompt_tokens: int, error: str = "", generated: int
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated},
         "error": error,
     }
+
+
+def fingerprint(request: scheduler_pb2.SubmitRequest) -> str:
+    """What a request asks for, hashed: its resubmission (a gateway retrying Submit, a client
+    retrying without resume_from) matches, another request under the same id does not. The
+    deadline and the trace are an attempt's own, so they are left out."""
+    asked = scheduler_pb2.SubmitRequest()
+    asked.CopyFrom(request)
+    asked.ClearField("deadline_unix_ms")
+    asked.ClearField("traceparent")
+    return hashlib.sha256(asked.SerializeToString(deterministic=True)).hexdigest()[:32]
 
 
 class VerifierClients:
@@ -108,7 +120,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             )
         spec = json_format.MessageToDict(request, preserving_proto_field_name=True)
         try:
-            code, waiting = self.store.create(request.request_id, spec, cls, self.limits[cls])
+            code, waiting = self.store.create(
+                request.request_id, spec, cls, self.limits[cls], fingerprint(request)
+            )
         except REDIS_ERRORS as e:  # not acknowledged: the client retries (Submit is idempotent)
             log.warning(
                 "submit not stored", extra={"request_id": request.request_id, "error": str(e)}
@@ -120,6 +134,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the {cls} queue is full ({waiting} waiting); retry in about a second",
+            )
+        if code == 3:
+            metrics.REJECTED.labels(cls).inc()
+            context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                "request_id: taken by a different request (another prompt or other "
+                "parameters); send a new request_id, or resume_from to re-attach to that one",
             )
         if code == 0:
             metrics.SUBMITTED.labels(cls).inc()
@@ -372,6 +393,9 @@ class Placer:
                 int(spec["max_tokens"]),
                 self.store.session_owner(session) if session else None,
                 prompt_ids=spec["prompt_ids"],
+                prefix_scope=prefix.scope_of(
+                    self.settings.prefix_cache_scope, spec.get("tenant", "")
+                ),
             )
             self._pin(want, rec, {v.pool for v in loads})
             eligible = want.eligible(loads)

@@ -82,8 +82,9 @@ class Admission:
             return rid in self._grants
 
     # --- admission --------------------------------------------------------------------------
-    def admit(self, rid: str, priority: str, token_ids: list[int]) -> Grant | None:
-        """Takes a slot and the blocks of `token_ids` (cached ones by reference). None if `rid`
+    def admit(self, rid: str, priority: str, token_ids: list[int], scope: str = "") -> Grant | None:
+        """Takes a slot and the blocks of `token_ids` (cached ones of `scope` by reference:
+        prefix.scope_of). None if `rid`
         holds a grant already (an admission of it is done or under way). Raises Refused if it
         does not fit now."""
         with self._lock:
@@ -98,7 +99,7 @@ class Admission:
             keep_free = self.watermark_blocks if self._grants else 0
             try:
                 kv = SequenceKV.start(
-                    self.pool, token_ids, reuse=self.prefix_cache, keep_free=keep_free
+                    self.pool, token_ids, reuse=self.prefix_cache, keep_free=keep_free, scope=scope
                 )
             except OutOfBlocks as e:
                 raise Refused(str(e)) from e

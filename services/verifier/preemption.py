@@ -103,7 +103,9 @@ def resume(seq: Sequence, pool: KVPool, prefix_cache: bool, watermark: int = 0) 
     """Gives a preempted sequence the blocks of its tokens (cached ones by reference) if they
     are free with `watermark` blocks left over; False (nothing taken) if not."""
     try:
-        seq.kv = SequenceKV.start(pool, seq.all_ids, reuse=prefix_cache, keep_free=watermark)
+        seq.kv = SequenceKV.start(
+            pool, seq.all_ids, reuse=prefix_cache, keep_free=watermark, scope=seq.prefix_scope
+        )
     except OutOfBlocks:
         return False
     seq.preempted = False

@@ -31,6 +31,7 @@ class Sequence:
     tree_size: int | None = None  # the request's fixed tree size, if it set one
     session_id: str = ""
     tenant: str = ""  # whose earlier outputs may shape its drafts
+    prefix_scope: str = ""  # whose cached blocks it may reuse ("": anyone's; prefix.scope_of)
     deadline_ms: int = 0  # unix ms after which the request stops (0: none)
     trace_ctx: Any = None  # the request's trace context here (its Admit span), if traced
     restored: int = 0  # output tokens generated before this verifier took the request over

@@ -14,7 +14,7 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from ..common import models, telemetry
+from ..common import models, prefix, telemetry
 from ..common.flat_model import FlatModel
 from ..common.grpc_server import Server
 from ..common.settings import ConfigError, VerifierSettings
@@ -146,8 +146,9 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
         if rec is None or rec.status != "queued":
             return pb.AdmitResponse(admitted=False, reason="the request is not queued")
         seq = sequence_from_record(rec, self.store.progress(rid) if rec.generated else [])
+        seq.prefix_scope = prefix.scope_of(self.settings.prefix_cache_scope, seq.tenant)
         try:
-            grant = admission.admit(rid, seq.queue, seq.all_ids)
+            grant = admission.admit(rid, seq.queue, seq.all_ids, seq.prefix_scope)
         except Refused as e:
             return pb.AdmitResponse(admitted=False, free_slots=self._free(), reason=str(e))
         if grant is None:  # a concurrent Admit of the same request (a retry) is admitting it

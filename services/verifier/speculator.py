@@ -59,16 +59,17 @@ class Speculator:
         self.sync = DrafterSync()
 
     def cap(self, seq: Sequence, size: int | None = None) -> int:
-        """Most tree nodes a sequence may get (`size`, or verification_tree_size): none when
-        off, and never more than could be emitted (so the KV reservation holds).
+        """Most tree nodes a sequence may get (`size`, or verification_tree_size; a request's
+        pinned tree_size, up to the larger of verification_tree_size and deep_tree_size): none
+        when off, and never more than could be emitted (so the KV reservation holds).
 
         None while the prompt is prefilled either: the first token then does not wait for the
         drafter to prefill the prompt too (that happens with the second step)."""
         if not (self.enabled and seq.speculate) or seq.prefilling:
             return 0
         size = self.tree_size if size is None else size
-        if seq.tree_size is not None:
-            size = min(seq.tree_size, 256)
+        if seq.tree_size is not None:  # a pin, within the operator's largest tree
+            size = min(seq.tree_size, max(self.tree_size, self.deep_tree_size))
         generated = len(seq.output_ids)
         room = min(seq.max_tokens - generated, self.max_seq_len - len(seq.prompt_ids) - generated)
         return max(0, min(size, room - 1))
