@@ -23,6 +23,14 @@ from .common.settings import ModelRef
 from .supervisor import RestartPolicy, Supervisor, log_to, supervise
 
 START_ORDER = ("scheduler", "drafter", "verifier", "gateway")
+# Settings that decide whether a verifier finds its drafter in the registry (see start).
+DISCOVERY_KEYS = (
+    "VERIFIER_DRAFTER_ADDRESSES",
+    "VERIFIER_DISCOVER_DRAFTERS",
+    "VERIFIER_POOL",
+    "DRAFTER_POOL",
+    "DRAFTER_ADVERTISE_ADDRESS",
+)
 REDIS = "redis"  # the private redis-server, as a member of the cluster
 READY = re.compile(
     r"SPECSERVE_READY \w+ (\d+)(?: metrics (\d+))?(?: http (\d+))?(?: health (\d+))?"
@@ -177,14 +185,18 @@ class LocalCluster:
     def _verifier_discovers_the_drafter(self, services: tuple[str, ...]) -> bool:
         """Whether the verifier finds the drafter in the registry (as it does on Kubernetes),
         so the two load their models side by side instead of the verifier waiting for the
-        drafter's port: no drafter address is configured, discovery is on, one rollout pool."""
+        drafter's port: no drafter address is configured, discovery is on, one rollout pool,
+        the drafter registers the address it binds, and no environment variable says other."""
         if "drafter" not in services or "verifier" not in services:
             return False
         verifier, drafter = self.config.get("verifier", {}), self.config.get("drafter", {})
+        overridden = any(os.environ.get(f"SPECSERVE_{name}") for name in DISCOVERY_KEYS)
         return (
-            not verifier.get("drafter_addresses")
+            not overridden
+            and not verifier.get("drafter_addresses")
             and verifier.get("discover_drafters", True)
             and verifier.get("pool", "stable") == drafter.get("pool", "stable")
+            and not drafter.get("advertise_address")
         )
 
     def _wait_registered(self, kind: str, port: int, timeout: float) -> None:

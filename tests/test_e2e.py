@@ -107,7 +107,7 @@ def test_same_request_id_attaches_to_the_same_request(gateway, tokenizer):
 def test_model_info(gateway, tokenizer):
     from specserve.v1 import generation_pb2
 
-    info = gateway.GetModelInfo(generation_pb2.GetModelInfoRequest())
+    info = gateway.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
     assert info.vocab_size == len(tokenizer)
     assert info.max_seq_len == 2048
 

@@ -145,7 +145,9 @@ def test_an_oversized_message_is_refused_cleanly(gateway):
 def test_the_gateway_is_healthy_and_serves_after_the_fuzzing(gateway, tiny_cluster):
     print(f"\nfuzz: {ran['cases']} random requests, {ran['ok']} of them valid and served")
     with grpc.insecure_channel(tiny_cluster.procs["gateway"].address) as channel:
-        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
     assert status.status == health_pb2.HealthCheckResponse.SERVING
     final = generate(gateway, request(prompt="def f():", max_tokens=4)).final
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH

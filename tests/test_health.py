@@ -10,6 +10,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from helpers import wait_until
+
 pytestmark = pytest.mark.cluster  # every test here runs a cluster
 
 SERVICES = {
@@ -25,8 +27,13 @@ def test_health_and_reflection(tiny_cluster, name):
     with grpc.insecure_channel(tiny_cluster.procs[name].address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", SERVICES[name]):
-            resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            # (Readiness comes from the health loop's first pass, which may follow the ready
+            # line by a moment.)
+            def serving(service=service) -> bool:
+                ask = health_pb2.HealthCheckRequest(service=service)
+                return health.Check(ask, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+            wait_until(serving, f"{name} {service or 'overall'} SERVING", 30)
         db = ProtoReflectionDescriptorDatabase(channel)
         listed = set(db.get_services())
         assert {SERVICES[name], "grpc.health.v1.Health"} <= listed

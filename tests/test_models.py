@@ -63,7 +63,9 @@ def test_models_wait_waits_for_another_fetch_and_fails_clearly_without_one(tmp_p
     soon as the model is verified in the shared cache, and fails naming what is missing."""
     cli = [sys.executable, "-m", "specserve.cli", "models", "--cache-dir", str(tmp_path), "wait"]
     ref = "qwen2.5-coder-0.5b-instruct@0.9.0"
-    gone = subprocess.run([*cli, ref, "--timeout", "0.5"], capture_output=True, text=True)
+    gone = subprocess.run(
+        [*cli, ref, "--timeout", "0.5"], capture_output=True, text=True, timeout=60
+    )
     assert gone.returncode == 1
     assert f"{ref} not in {tmp_path} after 0.5 s" in gone.stderr and "job/models" in gone.stderr
     waiting = subprocess.Popen([*cli, ref, "--timeout", "120"], stdout=subprocess.PIPE, text=True)
@@ -77,5 +79,7 @@ def test_models_wait_waits_for_another_fetch_and_fails_clearly_without_one(tmp_p
     finally:
         waiting.kill()
     assert waiting.returncode == 0 and f"{ref}: verified" in out
-    bad = subprocess.run([*cli, "no-version", "--timeout", "0"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [*cli, "no-version", "--timeout", "0"], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "NAME@VERSION, got 'no-version'" in bad.stderr

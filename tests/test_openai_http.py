@@ -105,7 +105,8 @@ def served_model(api, certs, key) -> str:
 def post(api, certs, path: str, body, key: str | None = None, headers=None, method="POST"):
     """One raw HTTPS call: (status, headers, parsed JSON body)."""
     tls = ssl.create_default_context(cafile=str(certs["ca"]))
-    conn = http.client.HTTPSConnection("127.0.0.1", api.procs["gateway"].http_port, context=tls)
+    port = api.procs["gateway"].http_port
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=tls, timeout=60)
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     sent = {"Content-Type": "application/json", **(headers or {})}
     if key:
@@ -200,7 +201,8 @@ def test_curl_reads_server_sent_events(api, certs, key):
 def open_stream(api, certs, key: str, max_tokens: int = 1000):
     """A streamed completion, read up to its first event: (connection, response, stored id)."""
     tls = ssl.create_default_context(cafile=str(certs["ca"]))
-    conn = http.client.HTTPSConnection("127.0.0.1", api.procs["gateway"].http_port, context=tls)
+    port = api.procs["gateway"].http_port
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=tls, timeout=60)
     body = {"model": README_MODEL, "prompt": "Once", "max_tokens": max_tokens, "stream": True}
     conn.request(
         "POST",

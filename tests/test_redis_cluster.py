@@ -222,15 +222,18 @@ def test_the_cluster_serves_on_redis_cluster_through_a_master_failover(on_cluste
     # Rollout: the only verifier is a canary; new requests wait for the stable pool until
     # the canary is given their share.
     store.set_canary_share(1.0)
-    first = stub.Generate(request([5, 6, 7], max_tokens=8, request_id="first"), metadata=auth)
+    first = stub.Generate(
+        request([5, 6, 7], max_tokens=8, request_id="first"), metadata=auth, timeout=120
+    )
     chunks = list(first)
     assert chunks[-1].final.pool == "canary" and sum(len(c.token_ids) for c in chunks) == 8
 
     # Quotas hold on the cluster: one request a minute.
     limited = (("authorization", f"Bearer {capped}"),)
-    list(stub.Generate(request([1, 2], max_tokens=2, request_id="q1"), metadata=limited))
+    q1, q2 = (request([1, 2], max_tokens=2, request_id=rid) for rid in ("q1", "q2"))
+    list(stub.Generate(q1, metadata=limited, timeout=120))
     with pytest.raises(grpc.RpcError) as refused:
-        list(stub.Generate(request([1, 2], max_tokens=2, request_id="q2"), metadata=limited))
+        list(stub.Generate(q2, metadata=limited, timeout=120))
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     # The reference: each prompt alone, before any failure (greedy: the same tokens again).
@@ -238,7 +241,8 @@ def test_the_cluster_serves_on_redis_cluster_through_a_master_failover(on_cluste
     reference = {}
     for rid, prompt in prompts.items():
         ref = request(prompt, max_tokens=600, request_id=f"ref-{rid}")
-        reference[rid] = [t for c in stub.Generate(ref, metadata=auth) for t in c.token_ids]
+        chunks = stub.Generate(ref, metadata=auth, timeout=240)
+        reference[rid] = [t for c in chunks for t in c.token_ids]
 
     results: dict[str, list[int]] = {}
     errors: list[str] = []

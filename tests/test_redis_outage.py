@@ -43,7 +43,7 @@ def probe(port: int, service: str) -> int | None:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
         except grpc.RpcError:
             return None
 
@@ -138,6 +138,7 @@ def test_liveness_fails_while_a_liveness_check_fails():
 
 
 PROBE_EVERY = 2.0  # seconds between the rounds of probes (the kubelet's liveness period: 10)
+LIVENESS_FAILURES = 3  # the manifests' liveness failureThreshold (timeoutSeconds: 5, as probe's)
 # A short outage still outlasts every timer that could restart a process or end the caught
 # request: the gateway's wait for Redis (REDIS_OUTAGE_SECONDS, 30 s: the cut stream is told
 # to re-attach), the probes' liveness window (LIVENESS_SECONDS, 30 s), internal RPC deadlines
@@ -182,11 +183,16 @@ def outage_restarts_nothing_and_loses_nothing(
         first = next(stream)  # running on the verifier
         cluster.kill_redis()
         unready: set[str] = set()
+        missed = dict.fromkeys(procs, 0)  # liveness probes failed in a row, per process
         deadline = time.monotonic() + outage_seconds
         while time.monotonic() < deadline:
             for name, proc in procs.items():
                 assert proc.popen.poll() is None, f"{name} exited in the outage: {proc.log_path}"
-                assert probe(proc.health_port, "liveness") == serving, f"{name} not live"
+                # As the kubelet counts: a restart takes LIVENESS_FAILURES failed probes in a
+                # row (an answer late on a loaded machine is one failure, not a restart).
+                live = probe(proc.health_port, "liveness") == serving
+                missed[name] = 0 if live else missed[name] + 1
+                assert missed[name] < LIVENESS_FAILURES, f"{name} not live"
                 if probe(proc.health_port, "readiness") == not_serving:
                     unready.add(name)
             time.sleep(PROBE_EVERY)  # (the outage's length is what is tested)

@@ -291,7 +291,9 @@ def test_drafters_join_and_leave_while_requests_stream(
         verifier_metrics = cluster.procs["verifier"].metrics_port
 
         def run_all(during=None) -> None:
-            streams = [stub.Generate(request(prompt_ids=ids, max_tokens=300)) for ids in jobs]
+            streams = [
+                stub.Generate(request(prompt_ids=ids, max_tokens=300), timeout=120) for ids in jobs
+            ]
             firsts = [next(s) for s in streams]
             if during:
                 during()

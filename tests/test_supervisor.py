@@ -129,6 +129,12 @@ class Up:
         with self.changed:
             return "\n".join(self.lines)
 
+    def exited(self, timeout: float) -> tuple[int, str]:
+        """Its exit code, and all it printed (read to the end of its output)."""
+        code = self.popen.wait(timeout=timeout)
+        self.wait_for("<eof>", 30)
+        return code, self.output()
+
     def members(self) -> dict[str, tuple[int, str]]:
         """What it printed at start: each member's pid and address."""
         return {m[1]: (int(m[2]), m[3]) for line in self.lines if (m := MEMBER.match(line))}
@@ -245,10 +251,9 @@ def test_up_stops_with_the_member_that_crash_loops(tmp_path, up_config):
         wait_until(lambda: took(squatter, port), "the verifier's port freed", 10, every=0.01)
         squatter.listen()
         try:
-            code = up.popen.wait(timeout=240)
+            code, out = up.exited(timeout=240)
         finally:
             squatter.close()
-        out = up.output()
         assert code == 1, out
         assert re.search(r"verifier crash-loops: exited with 1 after 2 restarts", out), out
         assert "Failed to bind to address" in out  # its last log lines say why
@@ -262,8 +267,8 @@ def test_up_names_a_member_that_cannot_start(tmp_path, up_config):
     up_config["drafter"]["draft_model_path"] = str(tmp_path / "no-such-model")
     up = Up(tmp_path, up_config)
     try:
-        assert up.popen.wait(timeout=240) == 1
-        out = up.output()
+        code, out = up.exited(timeout=240)
+        assert code == 1, out
         assert "error: drafter could not start: exited with 1" in out, out
         assert "no-such-model" in out
         assert left_running(up.workdir(), set()) == []

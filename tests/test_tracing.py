@@ -262,6 +262,17 @@ def test_a_callers_traceparent_decides_nothing_at_the_gateway():
     unsampled = SpanContext(trace_id=5, span_id=9, is_remote=True, trace_flags=TraceFlags(0))
     unsampled_parent = trace.set_span_in_context(NonRecordingSpan(unsampled))
     assert everything.should_sample(unsampled_parent, 5, "gateway.generate").decision.is_sampled()
+    # Nor does the trace id the caller chose: one whose low bits are 0 passes any ratio
+    # test on the id, but a draw of ours decides.
+    random.seed(3)
+    half = StepSampler(0.5, 1.0, edge=True)
+    zero = SpanContext(trace_id=1 << 64, span_id=9, is_remote=True, trace_flags=flags)
+    zero_parent = trace.set_span_in_context(NonRecordingSpan(zero))
+    kept = sum(
+        half.should_sample(zero_parent, 1 << 64, "gateway.generate").decision.is_sampled()
+        for _ in range(2000)
+    )
+    assert 850 <= kept <= 1150  # half of 2,000, give or take
 
 
 @pytest.mark.cluster

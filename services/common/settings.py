@@ -95,14 +95,6 @@ class ServiceSettings(BaseSettings):
         default=1000, gt=0, description="How long a write waits for redis_wait_replicas."
     )
     log_level: LogLevel = "INFO"
-    prefix_cache_scope: Literal["tenant", "global"] = Field(
-        default="tenant",
-        description="Whose earlier requests a request's cached prompt blocks and cached "
-        "result may come from: its tenant's (default) or anyone's. It keys the verifiers' "
-        "prefix cache, the scheduler's placement by it and the gateways' result cache; "
-        "`global` lets one tenant learn from `cached_prompt_tokens`, `cached` and timings what "
-        "another sent (one trust domain only). Set it in `common`: all must agree.",
-    )
     timeout_seconds: float = Field(default=30.0, gt=0, description="Deadline of internal RPCs.")
     otlp_endpoint: str | None = Field(
         default=None, description="OTLP/gRPC collector for traces (Jaeger: :4317); none: off."
@@ -237,6 +229,15 @@ class GatewaySettings(ServiceSettings):
         default=None,
         description="YAML list of {key, tenant, tier} seeded into Redis at start (e.g. a "
         "mounted Secret); the keys are stored hashed.",
+    )
+    prefix_cache_scope: Literal["tenant", "global"] = Field(
+        default="tenant",
+        description="Whose earlier requests a request's cached prompt blocks and cached "
+        "result may come from: its tenant's (default) or anyone's. The gateway writes the "
+        "scope into each request (SubmitRequest.prefix_scope), and placement and the "
+        "verifiers' prefix cache key blocks by it; `global` lets one tenant learn from "
+        "`cached_prompt_tokens`, `cached` and timings what another sent (one trust domain "
+        "only).",
     )
     tiers: dict[str, Tier] = Field(default=DEFAULT_TIERS, description="Limits per key tier.")
     max_concurrent_rpcs: int = Field(

@@ -174,7 +174,7 @@ def now_ms() -> int:
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local fp = redis.call('HGET', KEYS[1], 'fingerprint')
-  if fp and fp ~= ARGV[7] then return {3, 0} end
+  if fp and fp ~= '' and fp ~= ARGV[7] then return {3, 0} end
   redis.call('HINCRBY', KEYS[1], 'submits', 1)
   return {1, 0}
 end
@@ -531,9 +531,9 @@ class RequestStore:
         self, rid: str, spec: dict[str, Any], cls: str, limit: int, fingerprint: str = ""
     ) -> tuple[int, int]:
         """Persists and queues a request. Returns (code, waiting): 0 created, 1 existed (with
-        the same `fingerprint`: what the request asks), 2 full, 3 the id is taken by a request
-        with another fingerprint. On Redis Cluster the limit holds per shard: `limit` /
-        CLUSTER_SHARDS (rounded up)."""
+        the same `fingerprint`, what the request asks, or one not known: ""), 2 full, 3 the id
+        is taken by a request with another fingerprint. On Redis Cluster the limit holds per
+        shard: `limit` / CLUSTER_SHARDS (rounded up)."""
         at = self.layout
         shard = at.shard_of(rid)
         if self.layout.shards > 1:

@@ -47,6 +47,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class _DrawnRatio(Sampler):
+    """Samples `ratio` of the calls, by a draw of its own (whatever the trace id)."""
+
+    def __init__(self, ratio: float):
+        self.ratio = ratio
+
+    def should_sample(
+        self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+        trace_state=None,
+    ) -> SamplingResult:  # fmt: skip
+        decision = Decision.RECORD_AND_SAMPLE if random.random() < self.ratio else Decision.DROP
+        return SamplingResult(decision, None, trace_state)
+
+    def get_description(self) -> str:
+        return f"DrawnRatio{{{self.ratio}}}"
+
+
 class StepSampler(Sampler):
     """A request's trace is sampled at `ratio` where it starts and followed by every hop
     (ParentBased); a step span (STEP_SPANS), and so what runs under it, is kept for
@@ -54,13 +71,15 @@ class StepSampler(Sampler):
     steps rather than every one.
 
     At the `edge` (the gateway) a caller's traceparent gives the trace its id but not its
-    decision: the ratio decides there too, so a client cannot have every request traced."""
+    decision: a draw of ours at the ratio decides (not the trace id, which the caller
+    chose), so a client cannot have every request traced."""
 
     def __init__(self, ratio: float, step_ratio: float, edge: bool = False):
         by_ratio = TraceIdRatioBased(ratio)
         if edge:
+            drawn = _DrawnRatio(ratio)
             self.requests = ParentBased(
-                by_ratio, remote_parent_sampled=by_ratio, remote_parent_not_sampled=by_ratio
+                by_ratio, remote_parent_sampled=drawn, remote_parent_not_sampled=drawn
             )
         else:
             self.requests = ParentBased(by_ratio)

@@ -157,13 +157,14 @@ class KeyStore:
             "created_ms": now_ms(),
             **{name: int(value) for name, value in limits.model_dump().items()},
         }
-        # One transaction on one Redis; on Redis Cluster two slots: the record first.
+        if revoked is not None:
+            record["revoked"] = int(revoked)
+        # One transaction on one Redis; on Redis Cluster two slots: the record first (one
+        # HSET: a key revoked in the file is never stored live, even for a moment).
         pipe = self.r.pipeline(transaction=not isinstance(self.r, RedisCluster))
         pipe.hset(key_record(key_id), mapping=record)
         if revoked is None:
             pipe.hsetnx(key_record(key_id), "revoked", 0)
-        else:
-            pipe.hset(key_record(key_id), "revoked", int(revoked))
         pipe.sadd(KEY_IDS, key_id)
         pipe.execute()
         return key

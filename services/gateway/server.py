@@ -103,7 +103,6 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         loop: asyncio.AbstractEventLoop,
     ):
         self.settings = settings
-        self.cache_scope = settings.prefix_cache_scope
         self.tokenizer = tokenizer
         self.store = store
         self.scheduler = scheduler
@@ -195,7 +194,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             ids.extend(chunk.token_ids)
             final = chunk.final if chunk.HasField("final") else None
             if final and final.model_version:  # keyed on what produced it
-                key = result_cache_key(submit, final.model_version, self.cache_scope)
+                key = result_cache_key(submit, final.model_version)
                 await self._io(self._cache_result, key, ids, final)
             yield chunk
 
@@ -332,8 +331,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         try:
             verifiers, share = self.store.live_verifiers(), self.store.rollout()["canary_share"]
             for version in serving_versions(verifiers, share, submit.request_id):
-                key = result_cache_key(submit, version, self.cache_scope)
-                if hit := self.store.cached_result(key):
+                if hit := self.store.cached_result(result_cache_key(submit, version)):
                     return hit
             return None
         except REDIS_ERRORS:
@@ -465,6 +463,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             deadline_unix_ms=deadline_ms,
             session_id=who.scoped(req.session_id) if req.session_id else "",  # a tenant's own
             tenant=who.tenant,
+            prefix_scope=prefix.scope_of(self.settings.prefix_cache_scope, who.tenant),
         )
 
     async def _stream(self, call: Call, stop: list[str], context, start: int = 0):
@@ -643,17 +642,15 @@ def replayable(submit: scheduler_pb2.SubmitRequest) -> bool:
     return submit.sampling.temperature <= 0 or submit.sampling.HasField("seed")
 
 
-def result_cache_key(
-    submit: scheduler_pb2.SubmitRequest, model_version: str, scope: str = "tenant"
-) -> str:
+def result_cache_key(submit: scheduler_pb2.SubmitRequest, model_version: str) -> str:
     """The result cache key of a replayable request. `model_version` is the served version
     (models.served_version: weights, dtype, device), so a result replays only where the same
-    version would serve the request again; under `prefix_cache_scope` (`scope`) tenant, only
-    to the tenant whose request made it. Speculation does not change a greedy output, so it
-    is not part of a greedy key."""
+    version would serve the request again; its prefix scope (the tenant, under
+    `prefix_cache_scope: tenant`), so only to the tenant whose request made it. Speculation
+    does not change a greedy output, so it is not part of a greedy key."""
     sampling = submit.sampling
     parts = {
-        "scope": prefix.scope_of(scope, submit.tenant),
+        "scope": submit.prefix_scope,
         "model": model_version,
         "prompt": list(submit.prompt_ids),
         "max_tokens": submit.max_tokens,

@@ -12,7 +12,7 @@ from collections import Counter, deque
 import grpc
 from google.protobuf import json_format
 
-from ..common import prefix, telemetry
+from ..common import telemetry
 from ..common.capacity import kv_fit_problem
 from ..common.grpc_server import Server, retrying_channel
 from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
@@ -393,9 +393,7 @@ class Placer:
                 int(spec["max_tokens"]),
                 self.store.session_owner(session) if session else None,
                 prompt_ids=spec["prompt_ids"],
-                prefix_scope=prefix.scope_of(
-                    self.settings.prefix_cache_scope, spec.get("tenant", "")
-                ),
+                prefix_scope=spec.get("prefix_scope", ""),  # (the gateway's choice)
             )
             self._pin(want, rec, {v.pool for v in loads})
             eligible = want.eligible(loads)

@@ -14,7 +14,7 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from ..common import models, prefix, telemetry
+from ..common import models, telemetry
 from ..common.flat_model import FlatModel
 from ..common.grpc_server import Server
 from ..common.settings import ConfigError, VerifierSettings
@@ -57,6 +57,7 @@ def sequence_from_record(rec, restored: list[int]) -> Sequence:
         tree_size=int(speculation["tree_size"]) if "tree_size" in speculation else None,
         session_id=spec.get("session_id", ""),
         tenant=spec.get("tenant", ""),
+        prefix_scope=spec.get("prefix_scope", ""),  # (the gateway's choice)
         deadline_ms=int(spec.get("deadline_unix_ms", 0)),
         output_ids=list(restored),
         num_emitted=len(restored),
@@ -146,7 +147,6 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
         if rec is None or rec.status != "queued":
             return pb.AdmitResponse(admitted=False, reason="the request is not queued")
         seq = sequence_from_record(rec, self.store.progress(rid) if rec.generated else [])
-        seq.prefix_scope = prefix.scope_of(self.settings.prefix_cache_scope, seq.tenant)
         try:
             grant = admission.admit(rid, seq.queue, seq.all_ids, seq.prefix_scope)
         except Refused as e:
