@@ -132,7 +132,7 @@ def claim_behind_its_back(store: RequestStore, rid: str, prompt: list[int], vid:
     pipe = store.r.pipeline(transaction=True)
     store._create(
         keys=[request_key(rid), queue_key("interactive"), queued_key("interactive")],
-        args=[json.dumps(spec), GROUP, 100, "interactive", now_ms(), rid],
+        args=[json.dumps(spec), GROUP, 100, "interactive", now_ms(), rid, ""],  # (no fingerprint)
         client=pipe,
     )
     at = store.layout

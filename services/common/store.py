@@ -174,7 +174,7 @@ def now_ms() -> int:
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local fp = redis.call('HGET', KEYS[1], 'fingerprint')
-  if fp and fp ~= '' and fp ~= ARGV[7] then return {3, 0} end
+  if fp and fp ~= '' and fp ~= (ARGV[7] or '') then return {3, 0} end
   redis.call('HINCRBY', KEYS[1], 'submits', 1)
   return {1, 0}
 end
@@ -182,7 +182,7 @@ local waiting = tonumber(redis.call('GET', KEYS[3]) or '0')
 if waiting >= tonumber(ARGV[3]) then return {2, waiting} end
 local id = redis.call('XADD', KEYS[2], '*', 'rid', ARGV[6])
 redis.call('HSET', KEYS[1], 'spec', ARGV[1], 'status', 'queued', 'queue', ARGV[4],
-           'entry_id', id, 'created_ms', ARGV[5], 'generated', 0, 'fingerprint', ARGV[7])
+           'entry_id', id, 'created_ms', ARGV[5], 'generated', 0, 'fingerprint', ARGV[7] or '')
 redis.call('INCR', KEYS[3])
 return {0, waiting}
 """
