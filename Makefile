@@ -80,7 +80,7 @@ bench-load: setup
 # one KV budget runs at once (blocks against reserving the worst case).
 bench-kv: setup
 	$(VENV)/bin/specserve models fetch smollm2-135m-instruct@0.1.2
-	$(PY) -m benchmarks.prefix_cache --users 8 --rounds 2 --dtype float32
+	$(PY) -m benchmarks.prefix_cache --users 8 --rounds 2 --tenants 2 --dtype float32
 	$(PY) -m benchmarks.kv_concurrency --tiny --requests 48 --max-seq-len 4096
 	$(PY) -m benchmarks.kv_concurrency --tiny --requests 48 --max-seq-len 8192
 	$(PY) -m benchmarks.kv_concurrency --tiny --requests 48 --max-seq-len 4096 --block-size 32

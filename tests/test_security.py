@@ -247,7 +247,7 @@ def test_the_stream_cap_holds_exactly_at_thousands_of_streams(redis_store):
         taken, refused = [], []
         for i in ids:
             try:
-                keys.admit(who, f"s{i}", 10, new_request=False)
+                keys.admit(who, f"s{i}", new_request=False)
                 taken.append(f"s{i}")
             except QuotaExceeded as e:
                 refused.append(e.retry_after_ms)
@@ -276,14 +276,14 @@ def test_a_stream_open_past_the_slot_age_still_counts_while_its_gateway_lives(re
     keys = KeyStore(redis_store.r)
     who = keys.authenticate(keys.create("long", "standard", Tier(concurrent_streams=2)))
     streams = quota_keys(who.key_id)[1]
-    keys.admit(who, "alive", 10, new_request=False)
-    keys.admit(who, "dead-gateway", 10, new_request=False)
+    keys.admit(who, "alive", new_request=False)
+    keys.admit(who, "dead-gateway", new_request=False)
     opened_long_ago = now_ms() - STREAM_MAX_AGE_MS - 1
     redis_store.r.zadd(streams, {"alive": opened_long_ago, "dead-gateway": opened_long_ago})
     keys.touch([(who.key_id, "alive")])  # (its gateway's loop does this)
-    keys.admit(who, "new", 10, new_request=False)  # the dead gateway's slot aged out
+    keys.admit(who, "new", new_request=False)  # the dead gateway's slot aged out
     with pytest.raises(QuotaExceeded):  # the long stream's did not
-        keys.admit(who, "one-too-many", 10, new_request=False)
+        keys.admit(who, "one-too-many", new_request=False)
     assert set(redis_store.r.zrange(streams, 0, -1)) == {"alive", "new"}
     keys.release(who, "new")
     keys.touch([(who.key_id, "alive"), (who.key_id, "new")])

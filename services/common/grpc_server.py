@@ -27,6 +27,21 @@ OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+# Connection limits of a public port (clients outside the cluster). Keepalive: the server
+# pings a connection that went silent each minute and closes it when no answer comes in 20 s
+# (a client that vanished holds nothing); a client may ping at most every 5 min without
+# calls in flight (more, twice, and it is sent GOAWAY). A connection with no call for 5 min
+# is closed; every 30 min a connection is told to go (GOAWAY) so that clients spread over
+# gateways as they scale: the calls in flight on it run to their end (no grace limit: a
+# stream may run for minutes).
+PUBLIC_OPTIONS = [
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 300_000),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.max_connection_idle_ms", 300_000),
+    ("grpc.max_connection_age_ms", 1_800_000),
+]
 T = TypeVar("T")
 
 
@@ -226,6 +241,7 @@ class AioServer(_Serving):
 
         async def make() -> grpc.aio.Server:
             options = OPTIONS + backlog_options(max_concurrent_rpcs)
+            options += PUBLIC_OPTIONS if public else []
             server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs, options=options)
             self.health = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -214,8 +214,22 @@ class GatewaySettings(ServiceSettings):
     max_workers: int = Field(
         default=64,
         gt=0,
-        description="Threads for blocking work (Redis commands, tokenizing, scheduler calls); "
-        "an open stream holds none.",
+        description="Threads for blocking work (Redis commands, scheduler calls); an open "
+        "stream holds none.",
+    )
+    tokenizer_workers: int = Field(
+        default=4,
+        gt=0,
+        description="Threads that tokenize prompts (and apply the chat template), apart from "
+        "the threads that authenticate and charge callers: a flood of long prompts waits for "
+        "these without holding up anyone's key check.",
+    )
+    first_message_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="A call's request message (gRPC) or body (HTTP) must arrive within this "
+        "of its headers, or the call ends (gRPC DEADLINE_EXCEEDED, HTTP 408); while it has "
+        "not, the call counts against its key's concurrent streams on this gateway.",
     )
     result_cache_ttl_seconds: float = Field(
         default=600.0, gt=0, description="How long an opted-in deterministic result is reused."
@@ -319,6 +333,15 @@ class SchedulerSettings(ServiceSettings):
         description="Most of the live verifiers' batch slots one tenant's requests may hold "
         "(at least one slot); the rest stay free for other tenants. 1 turns the cap off. "
         "Requests without a tenant (auth off) are not capped.",
+    )
+    redis_memory_admit_fraction: float = Field(
+        default=0.85,
+        gt=0,
+        le=1,
+        description="New requests are refused (RESOURCE_EXHAUSTED, retry later) while Redis "
+        "uses more than this share of its maxmemory: the rest is kept for the requests "
+        "running (their steps, ends and heartbeats), so a full Redis stops new work, never "
+        "the cluster. 1: only a Redis out of memory refuses.",
     )
 
 

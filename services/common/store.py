@@ -69,6 +69,12 @@ GROUP = "placement"
 QUEUE_CLASSES = ("interactive", "batch")
 ENDED = ("finished", "cancelled", "failed", "expired")
 RESULT_TTL_SECONDS = 3600
+# While Redis holds more than this share of its maxmemory, a request that ends is kept
+# PRESSED_RESULT_TTL_SECONDS (long enough to re-attach and read its end), not an hour: what
+# ended makes room for what runs. Redis's memory is read at most every MEMORY_CHECK_SECONDS.
+PRESSED_MEMORY_FRACTION = 0.5
+PRESSED_RESULT_TTL_SECONDS = 60
+MEMORY_CHECK_SECONDS = 0.5
 
 
 CLUSTER_SHARDS = 16  # shards of the request keys on Redis Cluster (fixed: it names keys)
@@ -405,6 +411,7 @@ class RequestStore:
         self._finish = client.register_script(_FINISH)
         self._requeue = client.register_script(_REQUEUE)
         self._read = client.register_script(_READ)
+        self._memory = (-MEMORY_CHECK_SECONDS, 0.0)  # (when read, used / maxmemory)
 
     @classmethod
     def from_url(
@@ -581,7 +588,7 @@ class RequestStore:
                 *at.per_class(at.queue, shard),
                 *at.per_class(at.queued, shard),
             ],
-            args=[json.dumps(final), GROUP, RESULT_TTL_SECONDS, status, int(flag_running)],
+            args=[json.dumps(final), GROUP, self.result_ttl(), status, int(flag_running)],
         )
         return int(state), owner or ""
 
@@ -787,6 +794,33 @@ class RequestStore:
                     break
         return sorted(out, key=_entry_order)
 
+    def memory_fraction(self) -> float:
+        """How full Redis is: used_memory / maxmemory of its fullest node (0 with no
+        maxmemory), at most MEMORY_CHECK_SECONDS old."""
+        read_at, fraction = self._memory
+        if time.monotonic() - read_at < MEMORY_CHECK_SECONDS:
+            return fraction
+        info = self.r.info("memory")  # (Redis Cluster: a dict per node)
+        nodes = [info] if "used_memory" in info else list(info.values())
+        fraction = max(
+            (
+                n["used_memory"] / n["maxmemory"]
+                for n in nodes
+                if isinstance(n, dict) and n.get("maxmemory")
+            ),
+            default=0.0,
+        )
+        self._memory = (time.monotonic(), fraction)
+        return fraction
+
+    def result_ttl(self) -> int:
+        """How long a request that ends now is kept (see PRESSED_MEMORY_FRACTION)."""
+        try:
+            pressed = self.memory_fraction() > PRESSED_MEMORY_FRACTION
+        except REDIS_ERRORS:
+            pressed = False
+        return PRESSED_RESULT_TTL_SECONDS if pressed else RESULT_TTL_SECONDS
+
     def get(self, rid: str) -> RequestRecord | None:
         h = self.r.hgetall(self.layout.req(rid))
         if not h:
@@ -903,7 +937,7 @@ class RequestStore:
                 final["usage"]["completion_tokens"],
                 GROUP,
                 rid,
-                RESULT_TTL_SECONDS,
+                self.result_ttl(),
                 incarnation,
             ],
         )

@@ -38,6 +38,7 @@ class Call:
     emitted: int = 0  # tokens sent to the client
     first_token_at: float = 0.0  # monotonic time of the first token sent
     streaming: bool = False  # the request is accepted and its output is being streamed
+    submitted: Any = None  # the Submit to the scheduler (an asyncio future), once sent
     finish: str = ""  # the finish reason, once the final chunk went out
     told_to_reattach: bool = False  # ended by the gateway: re-attach with resume_from
     pool: str = ""  # rollout pool of the verifier that finished it (from the final chunk)

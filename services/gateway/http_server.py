@@ -23,7 +23,7 @@ from ..common import tls
 from ..v1 import generation_pb2
 from . import metrics
 from .audit import Call
-from .keys import ANONYMOUS
+from .keys import ANONYMOUS, QuotaExceeded
 from .openai_api import CHAT, COMPLETIONS, HTTP_STATUS, ApiError, Completion, parse, to_generate
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ CANCEL_WAIT_SECONDS = 5.0  # a drain waits this long for the calls it cut, and t
 INTERNAL = ApiError(500, "internal error", "server_error")
 # An HTTP status as the gRPC status name the same refusal has on the gRPC port (the audit's).
 GRPC_NAME = {status: code.name for code, (status, _, _) in reversed(HTTP_STATUS.items())}
+GRPC_NAME[408] = grpc.StatusCode.DEADLINE_EXCEEDED.name  # (a body that did not come in time)
 
 
 class Aborted(Exception):
@@ -68,7 +69,6 @@ class HttpContext:
         self._code: grpc.StatusCode | None = None
         self._cancelled = False
         self._trailing: tuple = ()
-        self.principal = None  # the caller, once authenticated (not looked up twice)
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -193,15 +193,30 @@ class OpenAIHttp:
         metrics.HTTP_RESPONSES.labels(name, str(response.status)).inc()
         return response
 
-    async def _body(self, request: web.Request, kind: str):
+    async def _body(self, request: web.Request, kind: str, who):
+        """The request body, parsed: read within first_message_timeout_seconds, while it
+        counts against its key's calls whose request has not arrived."""
         if request.content_type != "application/json":
             raise ApiError(
                 415,
                 f"Content-Type must be application/json, got {request.content_type!r}",
                 code="unsupported_media_type",
             )
+        timeout = self.service.settings.first_message_timeout_seconds
         try:
-            raw = await request.read()
+            with self.service.awaiting_request(who):
+                raw = await asyncio.wait_for(request.read(), timeout)
+        except QuotaExceeded as e:
+            raise ApiError.from_status(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), e.retry_after_ms
+            ) from None
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"the request body did not arrive within {timeout:g}s of its headers",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            ) from None
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(
                 413, f"the body is larger than {self.max_body_bytes} bytes", code="too_large"
@@ -227,35 +242,39 @@ class OpenAIHttp:
             raise ApiError(
                 503, "this gateway is draining; retry (another takes it)", code="draining"
             )
-        if len(self.calls) >= self.max_calls:
-            raise ApiError(
-                429,
-                f"{self.max_calls} calls in flight on this gateway; retry shortly",
-                "rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": "1"},
-            )
+        context, who = HttpContext(request), ANONYMOUS
         task = asyncio.current_task()
         assert task is not None
-        self.calls.add(task)
         try:
-            return await self._generate(request, kind)
-        finally:
-            self.calls.discard(task)
-
-    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        context = HttpContext(request)
-        try:
-            context.principal = await self._authenticate(request)  # before the body is read
-            body = await self._body(request, kind)
+            # The key first, from the headers: a call without one takes no call slot and
+            # has no body read.
+            who = await self._authenticate(request)
+            if len(self.calls) >= self.max_calls:
+                raise ApiError(
+                    429,
+                    f"{self.max_calls} calls in flight on this gateway; retry shortly",
+                    "rate_limit_error",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": "1"},
+                )
+            self.calls.add(task)
+            body = await self._body(request, kind, who)
         except ApiError as e:  # (a wrong key, a bad body): audited as on the gRPC port
-            who = context.principal or ANONYMOUS
+            self.calls.discard(task)
             call = Call(peer=context.peer(), protocol=HttpContext.protocol, who=who)
             self.service.refused(call, GRPC_NAME.get(e.status, "INVALID_ARGUMENT"))
             raise
+        try:
+            return await self._generate(request, kind, context, who, body)
+        finally:
+            self.calls.discard(task)
+
+    async def _generate(
+        self, request: web.Request, kind: str, context: HttpContext, who, body
+    ) -> web.StreamResponse:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         completion = Completion(kind, body.model, include_usage)
-        chunks = self.service.Generate(to_generate(body), context)
+        chunks = self.service.Generate(to_generate(body), context, who)
         left = True  # whether the client left before the end (until the call ends)
         try:
             first = await _next(chunks)  # errors before any output get their HTTP status

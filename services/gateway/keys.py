@@ -4,10 +4,11 @@ A key reads `ssk_<id>_<secret>`. Redis keeps, under `specserve:apikey:<id>`, the
 the whole key (never the key), its tenant, tier and limits; a presented key is looked up by
 its id and compared by digest in constant time.
 
-Quotas per key, enforced in one Lua script so that concurrent gateways share one limit:
+Quotas per key, enforced in Lua scripts so that concurrent gateways share one limit:
 requests per minute and tokens per minute (token buckets that refill continuously; a request
-takes prompt + max_tokens tokens, and what it did not generate is given back when it ends),
-and open streams (a sorted set of stream ids; entries of a gateway that died age out).
+takes one request and a stream slot before any work is done for it, then, once tokenized,
+prompt + max_tokens tokens, and what it did not generate is given back when it ends), and
+open streams (a sorted set of stream ids; entries of a gateway that died age out).
 """
 
 from __future__ import annotations
@@ -86,13 +87,10 @@ def split_key(key: str) -> str:
     return parts[1]
 
 
-# Admits one request of a key: refills and takes from the request and token buckets and opens
-# a stream slot, or takes nothing. KEYS: bucket hash, streams zset. ARGV: now_ms, rpm, tpm,
-# tokens wanted, concurrent limit, stream id, stream max age ms, open a stream (1/0).
-# Returns {0, 0} admitted, else {1 rpm | 2 tpm | 3 streams, retry after ms}.
-_ADMIT = """
+# Both buckets refilled to now (they share one timestamp). KEYS[1]: bucket hash; ARGV[1-3]:
+# now_ms, rpm, tpm.
+_REFILL = """
 local now, rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local want = tonumber(ARGV[4])
 local b = redis.call('HMGET', KEYS[1], 'req', 'tok', 'ts')
 local req, tok, ts = tonumber(b[1]) or rpm, tonumber(b[2]) or tpm, tonumber(b[3]) or now
 local elapsed = math.max(0, now - ts)
@@ -100,19 +98,36 @@ req = math.min(rpm, req + elapsed * rpm / 60000)
 tok = math.min(tpm, tok + elapsed * tpm / 60000)
 redis.call('HSET', KEYS[1], 'req', req, 'tok', tok, 'ts', now)
 redis.call('PEXPIRE', KEYS[1], 120000)
-if ARGV[8] == '1' then
-  if req < 1 then return {1, math.ceil((1 - req) * 60000 / rpm)} end
-  if tok < want then return {2, math.ceil((want - tok) * 60000 / tpm)} end
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[7]))
-if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5]) then return {3, 1000} end
-redis.call('ZADD', KEYS[2], now, ARGV[6])
-redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[7]))
-if ARGV[8] == '1' then
-  redis.call('HSET', KEYS[1], 'req', req - 1, 'tok', tok - want)
-end
+"""
+
+# Opens a stream slot of a key and, for a new request, takes one request from its bucket; or
+# takes nothing. KEYS: bucket hash, streams zset. ARGV: now_ms, rpm, tpm, concurrent limit,
+# stream id, stream max age ms, a new request (1/0). Returns {0, 0} admitted, else
+# {1 rpm | 3 streams, retry after ms}.
+_ADMIT = (
+    _REFILL
+    + """
+if ARGV[7] == '1' and req < 1 then return {1, math.ceil((1 - req) * 60000 / rpm)} end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[6]))
+if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then return {3, 1000} end
+redis.call('ZADD', KEYS[2], now, ARGV[5])
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[6]))
+if ARGV[7] == '1' then redis.call('HSET', KEYS[1], 'req', req - 1) end
 return {0, 0}
 """
+)
+
+# Takes ARGV[4] tokens from a key's token bucket, or nothing. KEYS: bucket hash. ARGV: now_ms,
+# rpm, tpm, tokens. Returns {0, 0} taken, else {2, retry after ms}.
+_TAKE_TOKENS = (
+    _REFILL
+    + """
+local want = tonumber(ARGV[4])
+if tok < want then return {2, math.ceil((want - tok) * 60000 / tpm)} end
+redis.call('HSET', KEYS[1], 'tok', tok - want)
+return {0, 0}
+"""
+)
 
 # Ends a stream: frees its slot and gives back ARGV[2] unused tokens (capped at ARGV[3]).
 _RELEASE = """
@@ -131,6 +146,7 @@ class KeyStore:
     def __init__(self, client: redis.Redis):
         self.r = client
         self._admit = client.register_script(_ADMIT)
+        self._take_tokens = client.register_script(_TAKE_TOKENS)
         self._release = client.register_script(_RELEASE)
 
     # --- keys -------------------------------------------------------------------------------
@@ -224,31 +240,47 @@ class KeyStore:
         return Principal(key_id, record["tenant"], record["tier"], limits)
 
     # --- quotas -----------------------------------------------------------------------------
-    def admit(self, who: Principal, stream_id: str, tokens: int, new_request: bool) -> None:
-        """Opens a stream for `who`; a new request also takes one request and `tokens` tokens.
-        QuotaExceeded (with when to retry) if a limit is reached; nothing is taken then."""
+    def admit(self, who: Principal, stream_id: str, new_request: bool) -> None:
+        """Opens a stream for `who`; a new request also takes one request (its tokens are
+        taken by `take_tokens` once it is tokenized). QuotaExceeded (with when to retry) if a
+        limit is reached; nothing is taken then."""
         limits = who.limits
         if limits is None:
             return
-        if new_request and tokens > limits.tokens_per_minute:
-            raise QuotaExceeded(
-                f"the request needs {tokens} tokens (prompt + max_tokens), more than this key's "
-                f"{limits.tokens_per_minute} tokens per minute; lower max_tokens",
-                retry_after_ms=0,
-            )
         code, retry_ms = self._admit(
             keys=quota_keys(who.key_id),
             args=[
                 now_ms(),
                 limits.requests_per_minute,
                 limits.tokens_per_minute,
-                tokens,
                 limits.concurrent_streams,
                 stream_id,
                 STREAM_MAX_AGE_MS,
                 int(new_request),
             ],
         )
+        self._raise_for(code, retry_ms, limits)
+
+    def take_tokens(self, who: Principal, tokens: int) -> None:
+        """Takes a new request's tokens (prompt + max_tokens); QuotaExceeded if the bucket
+        holds fewer (nothing is taken then)."""
+        limits = who.limits
+        if limits is None:
+            return
+        if tokens > limits.tokens_per_minute:
+            raise QuotaExceeded(
+                f"the request needs {tokens} tokens (prompt + max_tokens), more than this key's "
+                f"{limits.tokens_per_minute} tokens per minute; lower max_tokens",
+                retry_after_ms=0,
+            )
+        code, retry_ms = self._take_tokens(
+            keys=quota_keys(who.key_id)[:1],
+            args=[now_ms(), limits.requests_per_minute, limits.tokens_per_minute, tokens],
+        )
+        self._raise_for(code, retry_ms, limits)
+
+    @staticmethod
+    def _raise_for(code: int, retry_ms: int, limits: Tier) -> None:
         if code == 1:
             why = f"{limits.requests_per_minute} requests per minute"
         elif code == 2:

@@ -47,3 +47,8 @@ HTTP_RESPONSES = Counter(
     "Responses of the OpenAI-compatible HTTP API, by route and HTTP status.",
     ["route", "code"],
 )
+AWAITING_REQUEST = Gauge(
+    "specserve_gateway_calls_awaiting_request",
+    "Calls whose key was checked from their headers and whose request message (gRPC) or body "
+    "(HTTP) has not arrived yet; each key has at most its concurrent streams of them.",
+)

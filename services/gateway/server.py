@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -120,27 +121,55 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         self.audit = Audit(store.r, settings.audit_max_entries)
         self.loop = loop
         self.pool = ThreadPoolExecutor(settings.max_workers, thread_name_prefix="gateway-io")
+        self.tokenizing = ThreadPoolExecutor(
+            settings.tokenizer_workers, thread_name_prefix="gateway-tokenize"
+        )
         self.settling = ThreadPoolExecutor(1, thread_name_prefix="gateway-settle")
         self.tails = Tails(store, loop)
         self._cancels: set[asyncio.Task] = set()  # cancels of requests whose client left
         self._slots: dict[str, str] = {}  # open streams' quota slots: stream id -> key id
+        self._awaiting: dict[str, int] = {}  # calls whose request has not arrived, by key id
 
     async def _io(self, fn, *args, **kwargs):
         """Runs blocking work (Redis, the tokenizer, a call to the scheduler) on the pool."""
         return await self.loop.run_in_executor(self.pool, partial(fn, *args, **kwargs))
 
+    @contextlib.contextmanager
+    def awaiting_request(self, who: Principal) -> Iterator[None]:
+        """Counts a call, authenticated from its headers, while its request message (or HTTP
+        body) is on its way: a key has at most its `concurrent_streams` of those on this
+        gateway (QuotaExceeded past that), so headers sent without a request hold at most
+        a key's own share of the server's calls, for at most first_message_timeout_seconds."""
+        limit = who.limits.concurrent_streams if who.limits is not None else None
+        waiting = self._awaiting.get(who.key_id, 0)
+        if limit is not None and waiting >= limit:
+            raise QuotaExceeded(
+                f"this key has {waiting} calls on this gateway whose request has not arrived "
+                f"(its cap: {limit} concurrent streams); send the request with the headers",
+                retry_after_ms=1000,
+            )
+        self._awaiting[who.key_id] = waiting + 1
+        metrics.AWAITING_REQUEST.inc()
+        try:
+            yield
+        finally:
+            metrics.AWAITING_REQUEST.dec()
+            if (left := self._awaiting.pop(who.key_id) - 1) > 0:
+                self._awaiting[who.key_id] = left
+
     # --- Generate ---------------------------------------------------------------------------
-    async def Generate(self, request, context):
+    async def Generate(self, request, context, who: Principal | None = None):
+        """`who`: the caller, when the key was checked before the request arrived."""
         call = Call(peer=context.peer(), protocol=getattr(context, "protocol", "grpc"))
         call.span = telemetry.tracer.start_span(
             "gateway.generate", context=telemetry.extract(context.invocation_metadata())
         )
         call.trace_ctx = trace.set_span_in_context(call.span)
         context.add_done_callback(lambda ctx: self._ended(call, ctx))
-        async for chunk in await self._begin(request, context, call):
+        async for chunk in await self._begin(request, context, call, who):
             yield chunk
 
-    async def _begin(self, request, context, call: Call) -> AsyncIterator:
+    async def _begin(self, request, context, call: Call, who: Principal | None) -> AsyncIterator:
         """Checks the call, submits a new request, and gives the stream of its chunks. (One
         generator per stream, not a chain of them: with thousands of streams, each level
         would allocate per chunk.)"""
@@ -149,34 +178,43 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{request.field}: is not valid UTF-8 (or the message is malformed)",
             )
-        call.who = await self.authenticate(context)
+        call.who = who or await self.authenticate(context)
         if request.HasField("resume_from"):
             return await self._resume(request, context, call)
+        # Paid for before any work is done for it: the key's tier, then a request from its
+        # rate and a stream slot; then tokenizing (on threads of its own), and then its
+        # tokens. A request refused after that has cost its key a request.
+        await self._authorize(call.who, request, context)
+        await self._open_stream(call, context, new_request=True)
         with telemetry.tracer.start_as_current_span("gateway.validate", context=call.trace_ctx):
             try:
-                submit = await self._io(
-                    self._to_submit, request, context.time_remaining(), call.who
+                submit = await self.loop.run_in_executor(
+                    self.tokenizing,
+                    partial(self._to_submit, request, context.time_remaining(), call.who),
                 )
             except InvalidRequest as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            await self._authorize(call.who, submit, context)
         call.public_id = submit.request_id
         call.rid = submit.request_id = call.who.scoped(submit.request_id)
-        call.prompt_tokens, call.max_tokens = len(submit.prompt_ids), submit.max_tokens
         name = common_pb2.PriorityClass.Name(submit.priority)
         call.priority = name.removeprefix("PRIORITY_CLASS_").lower()  # as the queues name it
-        await self._open_stream(call, context, new_request=True)
+        await self._charge(call, len(submit.prompt_ids), submit.max_tokens, context)
         cached = request.use_result_cache and replayable(submit)
         if cached and (hit := await self._io(self._cached_result, submit)):
             return self._replay(call, *hit, list(submit.stop))
-        try:
-            # Waits out a restarting scheduler (within the deadline); Submit is idempotent.
-            await self.scheduler.Submit(
+        # Waits out a restarting scheduler (within the deadline); Submit is idempotent. It is
+        # not cut short when the client leaves: the request it may create is cancelled once
+        # it is known to exist (`_ended`), never left to run for nobody.
+        call.submitted = asyncio.ensure_future(
+            self.scheduler.Submit(
                 submit,
                 timeout=self._timeout(context),
                 wait_for_ready=True,
                 metadata=telemetry.inject(call.trace_ctx),
             )
+        )
+        try:
+            await asyncio.shield(call.submitted)
         except grpc.RpcError as e:
             if e.code() in PASS_THROUGH:
                 context.set_trailing_metadata(e.trailing_metadata() or ())
@@ -200,12 +238,10 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
 
     # --- who is calling, and what they may do -------------------------------------------------
     async def authenticate(self, context) -> Principal:
-        """The caller from its `authorization: Bearer <key>`; UNAUTHENTICATED without one. (An
-        HTTP call is authenticated before its body is read: its context holds the caller.)"""
+        """The caller from its `authorization: Bearer <key>`; UNAUTHENTICATED without one.
+        (Read from the call's headers: a call is authenticated before its request arrives.)"""
         if self.settings.auth == "off":
             return ANONYMOUS
-        if (who := getattr(context, "principal", None)) is not None:
-            return who
         header = dict(context.invocation_metadata()).get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
@@ -222,33 +258,41 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "keys are unavailable; retry shortly")
 
     @staticmethod
-    async def _authorize(who: Principal, submit, context) -> None:
-        """PERMISSION_DENIED for what the key's tier does not allow."""
+    async def _authorize(who: Principal, request, context) -> None:
+        """PERMISSION_DENIED for what the key's tier does not allow (read from the request as
+        sent: a max_tokens left unset is within the cap)."""
         limits = who.limits
         if limits is None:
             return
-        if submit.priority == common_pb2.PRIORITY_CLASS_BATCH and not limits.batch:
+        if request.priority == common_pb2.PRIORITY_CLASS_BATCH and not limits.batch:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"priority: this key's tier ({who.tier}) may not use the batch class",
             )
-        if submit.max_tokens > limits.max_tokens:
+        if request.max_tokens > limits.max_tokens:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"max_tokens: {submit.max_tokens} is above this key's cap of {limits.max_tokens}",
+                f"max_tokens: {request.max_tokens} is above this key's cap of {limits.max_tokens}",
             )
 
     async def _open_stream(self, call: Call, context, new_request: bool) -> None:
-        """Takes a stream slot (and, for a new request, its share of the rate limits)."""
+        """Takes a stream slot (and, for a new request, one request of its rate)."""
         sid = stream_id()
+        await self._quota(context, self.keys.admit, call.who, sid, new_request=new_request)
+        call.stream = sid
+        if call.who.limits is not None:
+            self._slots[sid] = call.who.key_id
+
+    async def _charge(self, call: Call, prompt_tokens: int, max_tokens: int, context) -> None:
+        """Takes a new request's tokens (prompt + max_tokens) from its key's rate; what it
+        does not generate goes back when it ends."""
+        await self._quota(context, self.keys.take_tokens, call.who, prompt_tokens + max_tokens)
+        call.prompt_tokens, call.max_tokens = prompt_tokens, max_tokens
+
+    async def _quota(self, context, take, *args, **kwargs) -> None:
+        """A quota's `take`, on the pool: RESOURCE_EXHAUSTED (with when to retry) if used up."""
         try:
-            await self._io(
-                self.keys.admit,
-                call.who,
-                sid,
-                call.prompt_tokens + call.max_tokens,
-                new_request=new_request,
-            )
+            await self._io(take, *args, **kwargs)
         except QuotaExceeded as e:
             context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -256,9 +300,6 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "quotas are unavailable; retry shortly"
             )
-        call.stream = sid
-        if call.who.limits is not None:
-            self._slots[sid] = call.who.key_id
 
     def _ended(self, call: Call, context) -> None:
         """When the RPC ends, however (on the event loop): the metrics; then, on the pool,
@@ -282,13 +323,23 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         call.span.set_attributes({k: v for k, v in record.items() if k != "client"})
         call.span.end()
         reattaches = call.protocol == "grpc" and (self.draining or call.told_to_reattach)
-        if call.streaming and not call.finish and not reattaches:
+        if not call.finish and not reattaches:
             # Nobody will read the rest. (A gRPC client cut by a drain, or told to re-attach
             # after a Redis outage, re-attaches; an HTTP client cannot.)
-            task = self.loop.create_task(self._cancel_quietly(call.rid))
-            self._cancels.add(task)
-            task.add_done_callback(self._cancels.discard)
+            submitted = call.submitted
+            if submitted is not None and not submitted.done():  # (it may yet create one)
+                submitted.add_done_callback(lambda f: self._cancel_soon(call.rid, f))
+            elif call.streaming or submitted is not None:
+                self._cancel_soon(call.rid, submitted)
         self._settle_soon(call, record)
+
+    def _cancel_soon(self, rid: str, submitted: asyncio.Future | None) -> None:
+        """Cancels a request whose client left, if its Submit (when given) created it."""
+        if submitted is not None and (submitted.cancelled() or submitted.exception()):
+            return
+        task = self.loop.create_task(self._cancel_quietly(rid))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
     async def keep_slots_alive(self) -> None:
         """Marks every open stream's quota slot alive every STREAM_TOUCH_SECONDS, so that a
@@ -576,8 +627,8 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             )
 
     # --- Cancel, GetModelInfo -----------------------------------------------------------------
-    async def Cancel(self, request, context):
-        who = await self.authenticate(context)
+    async def Cancel(self, request, context, who: Principal | None = None):
+        who = who or await self.authenticate(context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         await self._check_id(request.request_id, context)
@@ -592,8 +643,9 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is unavailable; retry")
         return generation_pb2.CancelResponse(cancelled=resp.cancelled)
 
-    async def GetModelInfo(self, request, context):
-        await self.authenticate(context)
+    async def GetModelInfo(self, request, context, who: Principal | None = None):
+        if who is None:
+            await self.authenticate(context)
         ref = self.settings.model
         try:
             verifiers, rollout = await self._io(
@@ -663,25 +715,61 @@ def result_cache_key(submit: scheduler_pb2.SubmitRequest, model_version: str) ->
 
 
 def _handler(service: GenerationService) -> grpc.GenericRpcHandler:
-    """The generated handler, with a Generate deserializer that reports bad bytes cleanly."""
+    """The service's methods, each checking the caller's key from the call's headers before
+    its request message is read (a call that carries no valid key ends at once, whatever it
+    sends or holds back), and then waiting at most first_message_timeout_seconds for that
+    message. (Each is served as a stream-stream method for that: a unary request is the same
+    on the wire; the handler reads its one message itself. Generate's deserializer reports
+    bad bytes cleanly.)"""
     name = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+    timeout = service.settings.first_message_timeout_seconds
+
+    def public(method, deserializer, serializer, streams: bool) -> grpc.RpcMethodHandler:
+        async def behavior(requests, context):
+            who = await service.authenticate(context)
+            try:
+                with service.awaiting_request(who):
+                    request = await asyncio.wait_for(anext(requests, None), timeout)
+            except QuotaExceeded as e:
+                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no request message arrived within {timeout:g}s of the call's headers",
+                )
+            if request is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
+            if streams:
+                async for response in method(request, context, who):
+                    yield response
+            else:
+                yield await method(request, context, who)
+
+        return grpc.stream_stream_rpc_method_handler(
+            behavior, request_deserializer=deserializer, response_serializer=serializer
+        )
+
     return grpc.method_handlers_generic_handler(
         name,
         {
-            "Generate": grpc.unary_stream_rpc_method_handler(
+            "Generate": public(
                 service.Generate,
-                request_deserializer=_deserialize,
-                response_serializer=generation_pb2.GenerateResponse.SerializeToString,
+                _deserialize,
+                generation_pb2.GenerateResponse.SerializeToString,
+                streams=True,
             ),
-            "Cancel": grpc.unary_unary_rpc_method_handler(
+            "Cancel": public(
                 service.Cancel,
-                request_deserializer=generation_pb2.CancelRequest.FromString,
-                response_serializer=generation_pb2.CancelResponse.SerializeToString,
+                generation_pb2.CancelRequest.FromString,
+                generation_pb2.CancelResponse.SerializeToString,
+                streams=False,
             ),
-            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            "GetModelInfo": public(
                 service.GetModelInfo,
-                request_deserializer=generation_pb2.GetModelInfoRequest.FromString,
-                response_serializer=generation_pb2.GetModelInfoResponse.SerializeToString,
+                generation_pb2.GetModelInfoRequest.FromString,
+                generation_pb2.GetModelInfoResponse.SerializeToString,
+                streams=False,
             ),
         },
     )

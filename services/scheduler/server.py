@@ -10,6 +10,7 @@ import time
 from collections import Counter, deque
 
 import grpc
+import redis
 from google.protobuf import json_format
 
 from ..common import telemetry
@@ -42,6 +43,7 @@ CLASS_NAMES = {
 }
 
 
+FULL_RETRY_MS = 30_000  # when to retry a request refused for Redis's memory
 EXPIRY_PERIOD_SECONDS = 0.5  # expiry of waiting requests, and the orphan check
 RECLAIM_PERIOD_SECONDS = 5.0
 EXPIRY_SCAN = 1000  # queue entries looked at per class and scan (running ones included)
@@ -120,9 +122,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             )
         spec = json_format.MessageToDict(request, preserving_proto_field_name=True)
         try:
+            if (full := self.store.memory_fraction()) > self.settings.redis_memory_admit_fraction:
+                self._refuse_full(context, cls, f"Redis holds {full:.0%} of its maxmemory")
             code, waiting = self.store.create(
                 request.request_id, spec, cls, self.limits[cls], fingerprint(request)
             )
+        except redis.exceptions.OutOfMemoryError:
+            self._refuse_full(context, cls, "Redis is out of memory")
         except REDIS_ERRORS as e:  # not acknowledged: the client retries (Submit is idempotent)
             log.warning(
                 "submit not stored", extra={"request_id": request.request_id, "error": str(e)}
@@ -154,6 +160,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             },
         )
         return scheduler_pb2.SubmitResponse(existing=code == 1, queue_position=waiting)
+
+    @staticmethod
+    def _refuse_full(context, cls: str, why: str) -> None:
+        metrics.REJECTED.labels(cls).inc()
+        context.set_trailing_metadata((("retry-after-ms", str(FULL_RETRY_MS)),))
+        context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{why}: new requests wait for ended ones to expire (the requests running go on); "
+            f"retry in {FULL_RETRY_MS // 1000}s",
+        )
 
     def Cancel(self, request, context) -> scheduler_pb2.SchedulerServiceCancelResponse:
         try:
