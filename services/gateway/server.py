@@ -157,6 +157,33 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             if (left := self._awaiting.pop(who.key_id) - 1) > 0:
                 self._awaiting[who.key_id] = left
 
+    async def receive(self, requests, context) -> tuple[Principal, object]:
+        """A gRPC call's caller, from its headers, then its one request message, which must
+        come within first_message_timeout_seconds (`awaiting_request` meanwhile). A call
+        refused here is counted and audited as a refused Generate is."""
+        timeout = self.settings.first_message_timeout_seconds
+        who = ANONYMOUS
+        try:
+            who = await self.authenticate(context)
+            try:
+                with self.awaiting_request(who):
+                    request = await asyncio.wait_for(anext(requests, None), timeout)
+            except QuotaExceeded as e:
+                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no request message arrived within {timeout:g}s of the call's headers",
+                )
+            if request is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
+            return who, request
+        except grpc.aio.AbortError:
+            code = context.code()
+            self.refused(Call(peer=context.peer(), who=who), getattr(code, "name", "CANCELLED"))
+            raise
+
     # --- Generate ---------------------------------------------------------------------------
     async def Generate(self, request, context, who: Principal | None = None):
         """`who`: the caller, when the key was checked before the request arrived."""
@@ -353,8 +380,9 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                 log.warning("stream slots not refreshed; tried again next time")
 
     def refused(self, call: Call, status: str) -> None:
-        """A call the HTTP API refused before it reached `Generate` (a wrong key, a bad
-        body): counted and audited as `_ended` does a refused gRPC call."""
+        """A call refused before it reached its method (gRPC: at its headers, or while its
+        request did not come; HTTP: a wrong key, a bad body): counted and audited as
+        `_ended` does a refused Generate."""
         metrics.REQUESTS.labels("unknown", status, "none").inc()
         self._settle_soon(call, call.record(status))
 
@@ -722,24 +750,10 @@ def _handler(service: GenerationService) -> grpc.GenericRpcHandler:
     on the wire; the handler reads its one message itself. Generate's deserializer reports
     bad bytes cleanly.)"""
     name = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-    timeout = service.settings.first_message_timeout_seconds
 
     def public(method, deserializer, serializer, streams: bool) -> grpc.RpcMethodHandler:
         async def behavior(requests, context):
-            who = await service.authenticate(context)
-            try:
-                with service.awaiting_request(who):
-                    request = await asyncio.wait_for(anext(requests, None), timeout)
-            except QuotaExceeded as e:
-                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            except TimeoutError:
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"no request message arrived within {timeout:g}s of the call's headers",
-                )
-            if request is None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
+            who, request = await service.receive(requests, context)
             if streams:
                 async for response in method(request, context, who):
                     yield response
