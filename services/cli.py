@@ -209,7 +209,7 @@ def _rollout(args: argparse.Namespace) -> int:
         tokenizer = models.load_tokenizer(path)
         address = args.scheduler or settings.scheduler_address
         try:
-            with tls.channel(address) as channel:
+            with tls.channel(address, peer="scheduler") as channel:
                 results = rollout.probe(
                     store,
                     scheduler_pb2_grpc.SchedulerServiceStub(channel),
@@ -239,6 +239,22 @@ def _share(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"a share is within 0 and 1, got {text}")
     return value
+
+
+def _redis_users(args: argparse.Namespace) -> int:
+    from .common.redis_acl import make_users
+
+    out = Path(args.out)
+    make_users(out, args.host)
+    for name in sorted(p.name for p in out.iterdir()):
+        print(out / name)
+    print(
+        "redis.conf: a user per service (only its keys, no operator commands) and the "
+        "operator's (default); include it in Redis's config. url-<service>: the redis_url "
+        "of each service; url: the operator's. Files are mode 0600.",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -440,6 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
     cd.add_argument("--out", required=True, help="directory to write the PEM files to")
     cd.add_argument("--days", type=int, default=365, help="validity (default 365)")
     c.set_defaults(func=_certs)
+
+    ru = sub.add_parser("redis-users", help="a Redis user per service, with a password each")
+    ru.add_argument("--out", required=True, help="directory to write redis.conf and the URLs to")
+    ru.add_argument(
+        "--host", default="redis:6379", help="host:port the services reach Redis at (redis:6379)"
+    )
+    ru.set_defaults(func=_redis_users)
 
     m = sub.add_parser("models", help="fetch and list models")
     m.add_argument("--cache-dir", help="model cache directory (default from config)")

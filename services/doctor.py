@@ -316,7 +316,7 @@ def health(name: str, address: str, timeout: float = 3.0) -> Finding:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with tls.channel(address) as channel:
+    with tls.channel(address, peer=name.split()[0]) as channel:
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout

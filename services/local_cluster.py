@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -19,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from .common import redis_acl
 from .common.settings import ModelRef
 from .supervisor import RestartPolicy, Supervisor, log_to, supervise
 
@@ -104,6 +106,9 @@ class LocalCluster:
     redis_url: str | None = None
     redis_aof: bool = False  # persist every write (appendfsync always), as deployments do
     redis_password: str | None = None  # required by the private Redis (from a 0600 conf file)
+    # The private Redis has a user per service (common/redis_acl.py), each service connecting
+    # as its own; redis_url is then the operator's (the `default` user, with a password).
+    redis_users: bool = False
     procs: dict[str, Proc] = field(default_factory=dict)
     redis: subprocess.Popen | None = None
     redis_port: int = 0
@@ -121,7 +126,16 @@ class LocalCluster:
         port = self.redis_port = self.redis_port or free_port()
         conf = self.workdir / "redis.conf"  # the password stays out of the process list
         conf.touch(mode=0o600)
-        conf.write_text(f"requirepass {self.redis_password}\n" if self.redis_password else "")
+        if self.redis_users:
+            users = self.workdir / "redis-users"
+            if not (users / "redis.conf").exists():  # (a restarted Redis keeps its users)
+                self.redis_password = self.redis_password or secrets.token_hex(24)
+                urls = redis_acl.make_users(users, f"127.0.0.1:{port}", self.redis_password)
+                for service in redis_acl.SERVICES:
+                    self.config.setdefault(service, {})["redis_url"] = urls[service]
+            conf.write_text((users / "redis.conf").read_text())
+        else:
+            conf.write_text(f"requirepass {self.redis_password}\n" if self.redis_password else "")
         self.redis = subprocess.Popen(
             [
                 "redis-server",
@@ -391,7 +405,10 @@ def run_local_cluster(
             config[section] = {**(config.get(section) or {}), **values}
         ca = paths["ca"]
     # AOF: a restarted Redis comes back with every request in it.
-    cluster = LocalCluster(config, workdir, redis_url=redis_url, redis_aof=True)
+    # A user per service on the private Redis (an operator's own Redis keeps its own users).
+    cluster = LocalCluster(
+        config, workdir, redis_url=redis_url, redis_aof=True, redis_users=redis_url is None
+    )
     started = time.monotonic()
     print(f"starting the local cluster (logs in {workdir}) ...", flush=True)
     try:

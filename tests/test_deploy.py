@@ -23,7 +23,7 @@ K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 KUBERNETES_VERSIONS = ("1.30", "1.31", "1.32", "1.33")
 # Created by deploy/k8s/dev-secrets.sh (or by whoever runs the cluster): name -> keys.
 SECRETS = {
-    "specserve-redis": {"url", "redis.conf"},
+    "specserve-redis": {"url", "redis.conf", *(f"url-{s}" for s in SETTINGS_BY_SERVICE)},
     **{f"specserve-tls-{s}": {"ca.pem", f"{s}.pem", f"{s}-key.pem"} for s in SETTINGS_BY_SERVICE},
     "specserve-api-keys": {"keys.yaml"},
 }

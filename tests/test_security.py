@@ -23,7 +23,15 @@ from specserve.common.tls import make_dev_certs
 from specserve.gateway.audit import AUDIT_STREAM
 from specserve.gateway.keys import STREAM_MAX_AGE_MS, KeyStore, QuotaExceeded, quota_keys
 from specserve.local_cluster import ClusterError, LocalCluster
-from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from specserve.v1 import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
 
 SECRET_PROMPT = "zebra quokka marmalade"  # must never show up in a log or the audit trail
 REDIS_PASSWORD = "redis-" + secrets.token_hex(12)  # nor this, nor in the process list
@@ -357,7 +365,7 @@ def test_the_gateway_speaks_tls_and_internal_services_mtls(tls_cluster, certs, t
     untrusted = grpc.ssl_channel_credentials(other_ca["ca"].read_bytes())
     with grpc.secure_channel(gateway, untrusted) as channel:  # the wrong CA
         assert rpc_error(lambda: health(channel)).code() == grpc.StatusCode.UNAVAILABLE
-    name = (("grpc.ssl_target_name_override", "specserve.internal"),)
+    name = (("grpc.ssl_target_name_override", "scheduler.specserve.internal"),)
     no_cert = grpc.ssl_channel_credentials(ca)
     with grpc.secure_channel(scheduler, no_cert, options=name) as channel:
         assert rpc_error(lambda: health(channel)).code() == grpc.StatusCode.UNAVAILABLE
@@ -371,6 +379,42 @@ def test_the_gateway_speaks_tls_and_internal_services_mtls(tls_cluster, certs, t
     )
     with grpc.secure_channel(scheduler, client, options=name) as channel:
         assert health(channel).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def dial(address: str, certs, who: str, peer: str) -> grpc.Channel:
+    """A channel to `peer`'s service at `address` with `who`'s certificate of `certs`."""
+    ca, key, cert = (certs[n].read_bytes() for n in ("ca", f"{who}-key", who))
+    name = (("grpc.ssl_target_name_override", f"{peer}.specserve.internal"),)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=name)
+
+
+@pytest.mark.cluster
+def test_each_internal_service_takes_calls_only_from_the_services_that_make_them(
+    tls_cluster, certs
+):
+    """Finding 9 of the tenant-isolation review: every service's certificate carried the
+    same name and both usages, and no server asked who called: a drafter's (or a verifier's)
+    certificate could call the scheduler's Submit as any tenant."""
+    scheduler = tls_cluster.procs["scheduler"].address
+    verifier = tls_cluster.procs["verifier"].address
+    forged = scheduler_pb2.SubmitRequest(
+        request_id="victim:forged", prompt_ids=[1, 2], max_tokens=2, tenant="victim"
+    )
+    with dial(scheduler, certs, "verifier", "scheduler") as channel:
+        err = rpc_error(lambda: scheduler_pb2_grpc.SchedulerServiceStub(channel).Submit(forged))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "verifier" in err.details()
+        assert health(channel).status == health_pb2.HealthCheckResponse.SERVING  # (any cert)
+    with dial(scheduler, certs, "drafter", "scheduler") as channel:
+        err = rpc_error(lambda: scheduler_pb2_grpc.SchedulerServiceStub(channel).Submit(forged))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "drafter" in err.details()
+    with dial(verifier, certs, "client", "verifier") as channel:
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        err = rpc_error(lambda: stub.Cancel(verifier_pb2.VerifierServiceCancelRequest()))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert stub.Status(verifier_pb2.StatusRequest(), timeout=10).model_version  # (doctor's)
+    with dial(scheduler, certs, "client", "verifier") as channel:  # a name it does not carry
+        assert rpc_error(lambda: health(channel)).code() == grpc.StatusCode.UNAVAILABLE
+    assert not redis.Redis.from_url(tls_cluster.redis_url).exists("specserve:req:victim:forged")
 
 
 @pytest.mark.cluster

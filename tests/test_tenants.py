@@ -18,9 +18,10 @@ import redis
 
 from conftest import cluster_config
 from helpers import scrape, wait_until
+from specserve.common.redis_acl import SERVICES
 from specserve.common.settings import DEFAULT_TIERS
 from specserve.common.store import RequestStore, session_key
-from specserve.gateway.keys import KeyStore, quota_keys, split_key
+from specserve.gateway.keys import KEY_IDS, KeyStore, key_record, quota_keys, split_key
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -36,7 +37,7 @@ SECRET = ("The launch code for project heron is 4417-2291-8830; tell no one. " *
 def cluster(tmp_path_factory, tiny_model_dir):
     config = cluster_config(tiny_model_dir, gateway={"auth": "api_key"})
     workdir = tmp_path_factory.mktemp("tenants")
-    cluster = LocalCluster(config, workdir)
+    cluster = LocalCluster(config, workdir, redis_users=True)  # each service its own user
     cluster.start(timeout=180, services=("scheduler", "verifier", "gateway"))
     try:
         yield cluster
@@ -445,3 +446,69 @@ def test_a_filling_redis_keeps_less_and_refuses_new_work_before_it_is_full(gw, k
         r.config_set("maxmemory", 0)
         if filler:
             r.delete(*filler)
+
+
+def test_each_service_reaches_only_its_own_redis_keys(cluster, gw, keys, r):
+    """Finding 9: one Redis password for every workload and no ACL users: a drafter pod could
+    mint an API key with one HSET, and any service read every prompt and run CONFIG."""
+    call(gw, keys["a"], prompt="def f():", max_tokens=2, request_id="acl-1")
+    users = {c["user"] for c in r.client_list()}
+    assert {"gateway", "scheduler", "verifier"} <= users  # each serves as its own user
+    as_user = {
+        s: redis.Redis.from_url(cluster.config[s]["redis_url"], decode_responses=True)
+        for s in SERVICES
+    }
+    key_id = split_key(keys["a"])
+    denied = redis.exceptions.NoPermissionError
+    attempts = {
+        "drafter": [
+            lambda c: c.hset(key_record("minted"), mapping={"tenant": "a", "digest": "x"}),
+            lambda c: c.hgetall("specserve:req:a:acl-1"),  # another's prompt
+            lambda c: c.xrange("specserve:out:a:acl-1"),  # and output
+        ],
+        "scheduler": [lambda c: c.hgetall(key_record(key_id)), lambda c: c.sadd(KEY_IDS, "x")],
+        "verifier": [lambda c: c.hset(quota_keys(key_id)[0], "tok", 10**9)],
+        "gateway": [lambda c: c.config_set("maxmemory", 1), lambda c: c.flushall()],
+    }
+    for service, tries in attempts.items():
+        for attempt in tries:
+            with pytest.raises(denied):
+                attempt(as_user[service])
+    for service in SERVICES:  # no service runs the operator's commands
+        with pytest.raises(denied):
+            as_user[service].config_get("maxmemory")
+    assert as_user["gateway"].hgetall(key_record(key_id))["tenant"] == "a"  # its own keys
+    assert not r.exists(key_record("minted"))
+
+
+def test_one_tenant_holds_at_most_its_cap_of_redis(cluster, r):
+    """Finding 7: a batch-tier key (1M tokens a minute, unused tokens refunded) wrote about
+    400 MB of prompts an hour into a Redis of 1 GB, for every tenant to run out of it."""
+    env = {
+        "SPECSERVE_SCHEDULER_SCHEDULER_ID": "capped",
+        "SPECSERVE_SCHEDULER_TENANT_STORED_BYTES_LIMIT": "20000",
+    }
+    cluster.start_service("scheduler", env, instance="scheduler-capped")
+    env = {"SPECSERVE_GATEWAY_SCHEDULER_ADDRESS": cluster.procs["scheduler-capped"].address}
+    cluster.start_service("gateway", env, instance="gateway-capped")
+    channel = grpc.insecure_channel(cluster.wait_ready("gateway-capped", 120).address)
+    try:
+        gw = generation_pb2_grpc.GenerationServiceStub(channel)
+        store = KeyStore(r)
+        hog, other = (store.create(t, "batch", DEFAULT_TIERS["batch"]) for t in ("hog", "other"))
+        prompt = "word " * 400  # (its spec alone: a few kB)
+        served = 0
+        while served < 50:
+            try:
+                call(gw, hog, prompt=prompt, max_tokens=2)
+                served += 1
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                assert "tenant hog" in e.details() and "20000" in e.details()
+                break
+        assert 2 <= served < 50  # some served, then refused at its cap
+        assert call(gw, other, prompt=prompt, max_tokens=2)[-1].final.finish_reason
+    finally:
+        channel.close()
+        for key in ("gateway-capped", "scheduler-capped"):
+            cluster.kill(key)

@@ -65,7 +65,8 @@ def retrying_channel(address: str, service: str, aio: bool = False) -> grpc.Chan
         ]
     }
     options = [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
-    return (tls.aio_channel if aio else tls.channel)(address, options)
+    peer = service.rsplit(".", 1)[-1].removesuffix("Service").lower()  # e.g. "scheduler"
+    return (tls.aio_channel if aio else tls.channel)(address, peer, options)
 
 
 def backlog_options(max_concurrent_rpcs: int | None) -> list[tuple[str, int]]:
@@ -191,12 +192,15 @@ class Server(_Serving):
         max_workers: int = 32,
         max_concurrent_rpcs: int | None = None,
         public: bool = False,
+        callers: dict[str, frozenset[str]] | None = None,
     ):
+        """`callers`: which services may call which method (tls.Authorizer), under mTLS."""
         super().__init__(service_names)
         self.grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
             maximum_concurrent_rpcs=max_concurrent_rpcs,
             options=OPTIONS,
+            interceptors=tls.authorizers(callers, public),
         )
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

@@ -129,7 +129,8 @@ class ServiceSettings(BaseSettings):
     tls_key_file: str | None = Field(default=None, description="This service's private key.")
     tls_server_name: str = Field(
         default="specserve.internal",
-        description="The name internal certificates carry (peers are often dialled by IP).",
+        description="The domain of internal certificates' names: a service's is valid for "
+        "<service>.<this> (peers are often dialled by IP).",
     )
     model_cache_dir: str = str(Path.home() / ".cache" / "specserve" / "models")
 
@@ -333,6 +334,14 @@ class SchedulerSettings(ServiceSettings):
         description="Most of the live verifiers' batch slots one tenant's requests may hold "
         "(at least one slot); the rest stay free for other tenants. 1 turns the cap off. "
         "Requests without a tenant (auth off) are not capped.",
+    )
+    tenant_stored_bytes_limit: int = Field(
+        default=256 * 2**20,
+        ge=0,
+        description="Most bytes of Redis one tenant's requests of the last hour may hold "
+        "(each: its prompt and parameters, and 16 bytes per token it may generate); past it "
+        "the tenant's new requests get RESOURCE_EXHAUSTED. 0 turns the cap off; requests "
+        "without a tenant (auth off) are not capped.",
     )
     redis_memory_admit_fraction: float = Field(
         default=0.85,

@@ -75,6 +75,10 @@ RESULT_TTL_SECONDS = 3600
 PRESSED_MEMORY_FRACTION = 0.5
 PRESSED_RESULT_TTL_SECONDS = 60
 MEMORY_CHECK_SECONDS = 0.5
+# What a tenant stores is counted per minute over the last RESULT_TTL_SECONDS (what it made
+# in that time is all Redis can still hold of it, running requests aside): a request counts
+# its spec's JSON and STORED_BYTES_PER_TOKEN per token it may generate (the output stream).
+STORED_BYTES_PER_TOKEN = 16
 
 
 CLUSTER_SHARDS = 16  # shards of the request keys on Redis Cluster (fixed: it names keys)
@@ -820,6 +824,26 @@ class RequestStore:
         except REDIS_ERRORS:
             pressed = False
         return PRESSED_RESULT_TTL_SECONDS if pressed else RESULT_TTL_SECONDS
+
+    @staticmethod
+    def _stored_keys(tenant: str, minute: int) -> list[str]:
+        """A tenant's per-minute byte counters of the last hour, newest first (one hash tag:
+        one slot on Redis Cluster)."""
+        span = RESULT_TTL_SECONDS // 60
+        return [f"{PREFIX}stored:{{{tenant}}}:{m}" for m in range(minute, minute - span, -1)]
+
+    def stored_bytes(self, tenant: str) -> int:
+        """About how many bytes a tenant's requests of the last hour hold (see
+        STORED_BYTES_PER_TOKEN)."""
+        keys = self._stored_keys(tenant, int(time.time() // 60))
+        return sum(int(v) for v in self.r.mget(keys) if v)
+
+    def add_stored_bytes(self, tenant: str, nbytes: int) -> None:
+        key = self._stored_keys(tenant, int(time.time() // 60))[0]
+        pipe = self.r.pipeline(transaction=False)
+        pipe.incrby(key, nbytes)
+        pipe.expire(key, RESULT_TTL_SECONDS + 60)
+        pipe.execute()
 
     def get(self, rid: str) -> RequestRecord | None:
         h = self.r.hgetall(self.layout.req(rid))

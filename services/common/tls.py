@@ -3,12 +3,15 @@
 One service runs per process, so the credentials are configured once (`configure`, at start)
 and every server and channel of the process uses them:
 - internal services (scheduler, verifier, drafter) serve mTLS: a caller without a certificate
-  signed by the cluster's CA is refused in the handshake;
+  signed by the cluster's CA is refused in the handshake, and a call from a service that may
+  not make it is refused PERMISSION_DENIED (`Authorizer`: each certificate names its service,
+  subject CN `specserve <service>`);
 - the gateway serves TLS to the public (no client certificate asked);
 - every internal channel presents this service's certificate and checks the peer's against
-  the CA, by the name the certificates carry (`tls_server_name`), since dialled addresses are
-  often IPs from the registry.
-Plaintext needs `insecure: true` (local development only).
+  the CA, by the name the peer's service's certificate carries (`<service>.<tls_server_name>`:
+  a drafter's certificate cannot pass for a scheduler), since dialled addresses are often IPs
+  from the registry.
+Plaintext needs `insecure: true` (local development only; no identities, nothing refused).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from .settings import ConfigError, ServiceSettings
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "specserve.internal"
-DEV_NAMES = ("gateway", "scheduler", "verifier", "drafter", "client")
+SERVICES = ("gateway", "scheduler", "verifier", "drafter")
+DEV_NAMES = (*SERVICES, "client")  # client: an operator's tools (doctor, rollout probe)
+CN_PREFIX = "specserve "  # a certificate's subject CN: "specserve <service>"
 
 
 @dataclass(frozen=True)
@@ -94,29 +99,91 @@ def http_context() -> ssl.SSLContext | None:
     return context
 
 
-def channel(address: str, options: list[tuple[str, object]] | None = None) -> grpc.Channel:
-    """A channel to another service of the cluster, with this service's certificate."""
+def channel(
+    address: str, peer: str, options: list[tuple[str, object]] | None = None
+) -> grpc.Channel:
+    """A channel to another service of the cluster (`peer`: which, e.g. "scheduler"), with
+    this service's certificate; the peer's must be its service's."""
     options = list(options or [])
     if _creds is None:
         return grpc.insecure_channel(address, options=options)
     credentials = grpc.ssl_channel_credentials(_creds.ca, _creds.key, _creds.cert)
-    options.append(("grpc.ssl_target_name_override", _creds.server_name))
+    options.append(("grpc.ssl_target_name_override", f"{peer}.{_creds.server_name}"))
     return grpc.secure_channel(address, credentials, options=options)
 
 
-def aio_channel(address: str, options: list[tuple[str, object]] | None = None):
+def aio_channel(address: str, peer: str, options: list[tuple[str, object]] | None = None):
     """`channel` for grpc.aio (create it on the event loop that uses it)."""
     options = list(options or [])
     if _creds is None:
         return grpc.aio.insecure_channel(address, options=options)
     credentials = grpc.ssl_channel_credentials(_creds.ca, _creds.key, _creds.cert)
-    options.append(("grpc.ssl_target_name_override", _creds.server_name))
+    options.append(("grpc.ssl_target_name_override", f"{peer}.{_creds.server_name}"))
     return grpc.aio.secure_channel(address, credentials, options=options)
 
 
+def caller(context) -> str | None:
+    """The service an mTLS call comes from, by its certificate's subject CN; None if none."""
+    for name in context.auth_context().get("x509_common_name", []):
+        if (text := name.decode(errors="replace")).startswith(CN_PREFIX):
+            return text.removeprefix(CN_PREFIX)
+    return None
+
+
+class Authorizer(grpc.ServerInterceptor):
+    """Lets a call of an internal server through only from the services `callers` names for
+    its method ("/pkg.Service/Method") or its whole service ("/pkg.Service/"); methods of
+    neither (health, reflection) are any certificate's of the CA. Under mTLS only: plaintext
+    carries no identity."""
+
+    def __init__(self, callers: dict[str, frozenset[str]]):
+        self.callers = callers
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        method = details.method
+        allowed = self.callers.get(method, self.callers.get(method.rsplit("/", 1)[0] + "/"))
+        if handler is None or allowed is None:
+            return handler
+
+        def guard(behavior):
+            def checked(request, context):
+                who = caller(context)
+                if who not in allowed:
+                    context.abort(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"{method}: not for the {who or 'unnamed'} certificate (only "
+                        f"{', '.join(sorted(allowed))})",
+                    )
+                return behavior(request, context)
+
+            return checked
+
+        kind = (handler.request_streaming, handler.response_streaming)
+        make, behavior = {
+            (False, False): (grpc.unary_unary_rpc_method_handler, handler.unary_unary),
+            (False, True): (grpc.unary_stream_rpc_method_handler, handler.unary_stream),
+            (True, False): (grpc.stream_unary_rpc_method_handler, handler.stream_unary),
+            (True, True): (grpc.stream_stream_rpc_method_handler, handler.stream_stream),
+        }[kind]
+        return make(
+            guard(behavior),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def authorizers(callers: dict[str, frozenset[str]] | None, public: bool) -> list:
+    """The interceptors of a server: an Authorizer on an internal port under mTLS."""
+    return [Authorizer(callers)] if callers and _creds is not None and not public else []
+
+
 def make_dev_certs(out: Path, days: int = 365) -> dict[str, Path]:
-    """A private CA and, signed by it, a certificate and key per service (and one for a
-    client), each valid for SERVER_NAME, localhost and 127.0.0.1. Returns the paths."""
+    """A private CA and, signed by it, a certificate and key per service (and one for an
+    operator's client), each naming its own: subject CN `specserve <name>`, valid for
+    `<name>.SERVER_NAME` (the gateway's also for localhost and 127.0.0.1, where clients
+    reach it), for serving and for calling (a service checks its own health with its own),
+    a client's for calling only. Returns the paths."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -167,17 +234,15 @@ def make_dev_certs(out: Path, days: int = 365) -> dict[str, Path]:
     paths = {"ca": out / "ca.pem"}
     paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     write_key(ca_key, out / "ca-key.pem")
-    sans = x509.SubjectAlternativeName(
-        [
-            x509.DNSName(SERVER_NAME),
-            x509.DNSName("localhost"),
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-        ]
-    )
-    usage = x509.ExtendedKeyUsage(
-        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    )
     for who in DEV_NAMES:
+        names: list[x509.GeneralName] = [x509.DNSName(f"{who}.{SERVER_NAME}")]
+        if who == "gateway":
+            names += [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        sans = x509.SubjectAlternativeName(names)
+        usage = x509.ExtendedKeyUsage(
+            [ExtendedKeyUsageOID.SERVER_AUTH] * (who != "client")
+            + [ExtendedKeyUsageOID.CLIENT_AUTH]
+        )
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
             x509.CertificateBuilder()

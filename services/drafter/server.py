@@ -130,10 +130,10 @@ def build(settings: DrafterSettings):
     proposer = PROPOSERS[settings.proposer].from_settings(settings)
     store = RequestStore.connect(settings)
     store.wait_reachable()
+    name = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
+    # Under mTLS, only verifiers draft.
     server = Server(
-        settings.host,
-        settings.port,
-        [drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name],
+        settings.host, settings.port, [name], callers={f"/{name}/": frozenset({"verifier"})}
     )
     service = DrafterService(proposer, settings.run_ahead)
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(service, server.grpc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import socket
 import threading
@@ -19,7 +20,13 @@ from ..common.grpc_server import Server, retrying_channel
 from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
 from ..common.rollout import POOLS, choose_pool
 from ..common.settings import SchedulerSettings
-from ..common.store import QUEUE_CLASSES, RequestRecord, RequestStore, now_ms
+from ..common.store import (
+    QUEUE_CLASSES,
+    STORED_BYTES_PER_TOKEN,
+    RequestRecord,
+    RequestStore,
+    now_ms,
+)
 from ..v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from . import metrics
 from .placement import (
@@ -87,6 +94,12 @@ class VerifierClients:
             return self._stubs[address]
 
 
+def callers(service: str) -> dict[str, frozenset[str]]:
+    """Who may call the scheduler (under mTLS): the gateway, and an operator's client (the
+    rollout probe); a verifier's or a drafter's certificate submits nothing."""
+    return {f"/{service}/": frozenset({"gateway", "client"})}
+
+
 class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(
         self, settings: SchedulerSettings, store: RequestStore, verifiers: VerifierClients
@@ -124,9 +137,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         try:
             if (full := self.store.memory_fraction()) > self.settings.redis_memory_admit_fraction:
                 self._refuse_full(context, cls, f"Redis holds {full:.0%} of its maxmemory")
+            cap = self.settings.tenant_stored_bytes_limit
+            if request.tenant and cap and (held := self.store.stored_bytes(request.tenant)) > cap:
+                self._refuse_full(
+                    context,
+                    cls,
+                    f"tenant {request.tenant}'s requests of the last hour hold about {held} "
+                    f"bytes of Redis, past its cap of {cap}",
+                )
             code, waiting = self.store.create(
                 request.request_id, spec, cls, self.limits[cls], fingerprint(request)
             )
+            if code == 0 and request.tenant:
+                nbytes = len(json.dumps(spec)) + STORED_BYTES_PER_TOKEN * request.max_tokens
+                self.store.add_stored_bytes(request.tenant, nbytes)
         except redis.exceptions.OutOfMemoryError:
             self._refuse_full(context, cls, "Redis is out of memory")
         except REDIS_ERRORS as e:  # not acknowledged: the client retries (Submit is idempotent)
@@ -163,6 +187,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     @staticmethod
     def _refuse_full(context, cls: str, why: str) -> None:
+        """RESOURCE_EXHAUSTED for a request Redis has no room for (or its tenant no share)."""
         metrics.REJECTED.labels(cls).inc()
         context.set_trailing_metadata((("retry-after-ms", str(FULL_RETRY_MS)),))
         context.abort(
@@ -550,11 +575,8 @@ def build(settings: SchedulerSettings):
     store.wait_reachable()
     store.ensure_queues()
     clients = VerifierClients()
-    server = Server(
-        settings.host,
-        settings.port,
-        [scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name],
-    )
+    name = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+    server = Server(settings.host, settings.port, [name], callers=callers(name))
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(
         SchedulerService(settings, store, clients), server.grpc
     )

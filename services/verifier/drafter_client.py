@@ -57,7 +57,7 @@ class DrafterClient:
     def open(self) -> None:
         self.close()
         self.epoch += 1
-        self._channel = tls.channel(self.address)
+        self._channel = tls.channel(self.address, peer="drafter")
         requests: queue.Queue = queue.Queue()
         self._requests, self._responses = requests, queue.Queue()
         call = drafter_pb2_grpc.DrafterServiceStub(self._channel).Speculate(

@@ -314,8 +314,15 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
     store = RequestStore.connect(settings)
     store.wait_reachable()
     store.ensure_queues()
+    name = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
+    # Under mTLS, only the scheduler admits and cancels; Status (what it serves) is any
+    # certificate's of the cluster (doctor's).
+    scheduler_only = frozenset({"scheduler"})
     server = Server(
-        settings.host, settings.port, [pb.DESCRIPTOR.services_by_name["VerifierService"].full_name]
+        settings.host,
+        settings.port,
+        [name],
+        callers={f"/{name}/Admit": scheduler_only, f"/{name}/Cancel": scheduler_only},
     )
     address = settings.advertise_address or f"{settings.host}:{server.port}"
     vid = settings.verifier_id or address
