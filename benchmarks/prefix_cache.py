@@ -140,9 +140,12 @@ def run(args, setting: str) -> list[list[dict]]:
 def summary(rounds: list[list[dict]]) -> dict:
     first = statistics.median(users[0]["ttft_s"] for users in rounds)
     rest = statistics.median(u["ttft_s"] for users in rounds for u in users[1:])
+    others = [u for users in rounds for u in users[1:]]
     return {
         "user1_ttft_s": first,
         "users2_n_median_ttft_s": rest,
+        "users2_n_mean_ttft_s": round(statistics.mean(u["ttft_s"] for u in others), 3),
+        "users2_n_cold": sum(u["cached_prompt_tokens"] == 0 for u in others),  # of len(others)
         "user1_over_others": round(first / rest, 2),
         "prompt_tokens": rounds[0][0]["prompt_tokens"],
         "cached_prompt_tokens_users2_n": sorted(

@@ -1,0 +1,258 @@
+"""What one verifier step asks of the host, counted rather than timed.
+
+    python -m benchmarks.step_counts [--batches 1,8,64] [--nodes 8] [--context 256]
+
+The 36M proxy of the default target (its layout: 28 layers, 12 query and 2 KV heads, its
+vocabulary, tied embeddings; hidden size 192, intermediate 256, random weights), float32 on
+the CPU, over a private Redis. For each batch size, greedy and sampled: the sequences'
+prompts (--context tokens) prefilled and one step taken, then one Engine.step with an
+--nodes-node draft tree per sequence, counted by `StepCounter`:
+- syncs: tensor data read into Python (`item`, `tolist`, `numpy`, `bool`/`int`/`float`/index
+  of a tensor, `cpu`): on a GPU each waits for the device. Counted on the CPU as the same
+  calls, so a read of a tensor that would stay on the host counts too (an upper bound);
+- host copies: tensors made from Python data (`torch.tensor`, `as_tensor`, `from_numpy`) and
+  blocking `.to(device)` calls: each a host-to-device copy on a GPU;
+- ops: ATen ops dispatched, and of them those that allocate (every op but views and in-place
+  ones).
+Writes <out>/step_counts.json (merged under --label).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.cpu,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+}
+FROM_HOST = {torch.tensor, torch.as_tensor, torch.from_numpy}
+MOVES = {torch.Tensor.to, torch.Tensor.cuda}
+
+
+class _Functions(TorchFunctionMode):
+    def __init__(self, counts: Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in READS:
+            self.counts["syncs"] += 1
+            self.counts[f"sync:{func.__name__}"] += 1
+        elif func in FROM_HOST:
+            self.counts["host_copies"] += 1
+            self.counts[f"host:{func.__name__}"] += 1
+        elif func in MOVES and not kwargs.get("non_blocking", False) and _moves(args, kwargs):
+            self.counts["host_copies"] += 1
+            self.counts["host:to"] += 1
+        return func(*args, **kwargs)
+
+
+def _moves(args, kwargs) -> bool:
+    """Whether a `.to` call names a device (a copy across devices where it is not the one
+    the tensor is on; on the CPU every such call is counted)."""
+    targets = [*args[1:], kwargs.get("device")]
+    return any(isinstance(t, (torch.device, str)) for t in targets)
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, counts: Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts["ops"] += 1
+        schema = func._schema
+        aliases = any(r.alias_info is not None for r in schema.returns)
+        if not aliases and not schema.is_mutable:
+            self.counts["allocating_ops"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class StepCounter:
+    """Counts, while entered, what the code run asks of the host (see the module's text);
+    `counts` holds the totals and, per kind, which call made them."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self._modes = (_Functions(self.counts), _Dispatch(self.counts))
+
+    def __enter__(self) -> StepCounter:
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+    def summary(self) -> dict[str, int]:
+        keys = ("syncs", "host_copies", "ops", "allocating_ops")
+        return {k: self.counts[k] for k in keys} | {
+            k: v for k, v in sorted(self.counts.items()) if ":" in k
+        }
+
+
+# --- the engine under count -------------------------------------------------------------
+def proxy_model(vocab_size: int):
+    """The default target's layout at almost no compute (random weights, float32)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=192,
+        intermediate_size=256,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+class FixedTrees:
+    """A speculator whose every decoding sequence gets the same shape of model-free tree:
+    a chain of half the nodes, and the rest as siblings along it."""
+
+    def __init__(self, nodes: int, vocab_size: int):
+        self.nodes, self.vocab_size = nodes, vocab_size
+
+    def propose(self, seqs, other_tokens=0, first_token=False):
+        from specserve.common.tree import DraftTree
+
+        trees = []
+        for i, seq in enumerate(seqs):
+            tree = DraftTree(model_free=True)
+            if not seq.prefilling:
+                chain = self.nodes - self.nodes // 2
+                parent = -1
+                for depth in range(chain):
+                    parent = tree.add((7 * i + 13 * depth) % self.vocab_size, parent)
+                for k in range(self.nodes - chain):
+                    tree.add((11 * i + 17 * k + 1) % self.vocab_size, k - 1 if k else -1)
+            trees.append(tree)
+        return trees
+
+    def observe_step(self, *args) -> None:
+        pass
+
+    def observe_acceptance(self, seq, tree, accepted: int, tested: int) -> None:
+        pass
+
+    def forget(self, seq) -> None:
+        pass
+
+
+def count_step(model, redis_url: str, batch: int, nodes: int, context: int, sampled: bool):
+    from specserve.common.flat_model import FlatModel
+    from specserve.common.store import RequestStore
+    from specserve.verifier.admission import Admission
+    from specserve.verifier.engine import Engine
+    from specserve.verifier.runner import ModelRunner
+    from specserve.verifier.sampling import SamplingParams
+    from specserve.verifier.sequence import Sequence
+
+    store = RequestStore.from_url(redis_url)
+    store.r.flushdb()
+    store.ensure_queues()
+    flat = FlatModel(model)
+    vocab = model.config.vocab_size
+    pool = flat.use_pool(batch * (context + 4 * nodes + 64), 16, fixed=True)
+    engine = Engine(
+        ModelRunner(flat),
+        FixedTrees(nodes, vocab),
+        store,
+        Admission(pool, batch_size=batch, interactive_reserved_slots=0),
+        max_seq_len=context + 1024,
+        max_prefill_tokens=4096,
+        eos_ids=set(),
+        decode=lambda ids: "",
+        verifier_id="counted",
+    )
+    params = SamplingParams(temperature=0.8, seed=1) if sampled else SamplingParams()
+    for i in range(batch):
+        rid = f"r{i}"
+        prompt = [(31 * i + 7 * t + 3) % vocab for t in range(context)]
+        store.create(rid, {"prompt_ids": prompt, "max_tokens": 512}, "interactive", 10_000)
+        assert store.claim(rid, "counted", int(time.time() * 1000)) == 1
+        seq = Sequence(
+            request_id=rid,
+            prompt_ids=prompt,
+            max_tokens=512,
+            params=params,
+            stop=[],
+            queue="interactive",
+            entry_id="0-0",
+            created_ms=0,
+            admitted_ms=0,
+        )
+        engine.admit(seq, engine.admission.admit(rid, seq.queue, prompt))
+    engine._take_new(block=False)
+    while any(s.prefilling for s in engine.running.values()):
+        engine.step()
+    engine.step()  # (a first decoding step: what runs once is not counted)
+    assert len(engine.running) == batch, "a sequence ended before the counted step"
+    with StepCounter() as counter:
+        engine.step()
+    return counter.summary()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--nodes", type=int, default=8, help="draft tree nodes per sequence")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
+    p.add_argument("--label", default="main", help="the results' key (e.g. before, after)")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    from specserve.local_cluster import LocalCluster
+
+    torch.set_num_threads(2)
+    model = proxy_model(151_936)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = LocalCluster({}, Path(tmp))
+        try:
+            url = redis.start_redis()
+            for batch in map(int, args.batches.split(",")):
+                for sampled in (False, True):
+                    counts = count_step(model, url, batch, args.nodes, args.context, sampled)
+                    row = {"batch": batch, "sampled": sampled, **counts}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+        finally:
+            redis.kill_redis()
+    path = Path(args.out) / "step_counts.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results[args.label] = {
+        "command": f"python -m benchmarks.step_counts --batches {args.batches} --nodes "
+        f"{args.nodes} --context {args.context} --label {args.label}",
+        "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "configuration": "36M proxy of the default target (28 layers, 12/2 heads, hidden "
+        f"192), float32, CPU, eager; {args.nodes}-node model-free trees, {args.context}-token "
+        "prompts; one Engine.step after prefill and one decoding step",
+        "rows": rows,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

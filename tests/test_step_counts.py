@@ -1,0 +1,53 @@
+"""The host-side step counter (benchmarks/step_counts.py) counts what it says it counts:
+reads of tensor data into Python (a device sync on a GPU), tensors made from host data and
+blocking moves (a host-to-device copy on a GPU), ATen ops, and the ops that allocate; and it
+sees those of a real Engine.step (the figures of record come from the benchmark)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.step_counts import StepCounter, count_step
+from specserve.common import models
+from specserve.local_cluster import LocalCluster
+
+
+def test_the_counter_counts_reads_copies_and_ops():
+    t = torch.arange(6.0)
+    with StepCounter() as c:
+        t.sum().item()
+        t.tolist()
+        if bool(t[0] > 1):
+            pass
+        torch.tensor([1, 2, 3])
+        t.to("cpu")
+        t.to("cpu", non_blocking=True)  # (pinned, asynchronous: not a blocking copy)
+        t.to(torch.float64)  # (no device: not a move)
+    assert c.counts["syncs"] == 3
+    assert {k: v for k, v in c.counts.items() if k.startswith("sync:")} == {
+        "sync:item": 1,
+        "sync:tolist": 1,
+        "sync:__bool__": 1,
+    }
+    assert c.counts["host_copies"] == 2
+    with StepCounter() as views:
+        t.view(2, 3)
+        t.add_(1)
+    assert views.counts["ops"] == 2 and views.counts["allocating_ops"] == 0
+    with StepCounter() as new:
+        t * 2
+    assert new.counts["ops"] == new.counts["allocating_ops"] == 1
+
+
+def test_the_counter_sees_a_real_engine_step(tiny_model_dir, tmp_path):
+    model = models.load_model(tiny_model_dir, "cpu", "float32")
+    redis = LocalCluster({}, tmp_path)
+    try:
+        url = redis.start_redis()
+        one = count_step(model, url, batch=1, nodes=8, context=32, sampled=False)
+        four = count_step(model, url, batch=4, nodes=8, context=32, sampled=True)
+    finally:
+        redis.kill_redis()
+    for counts in (one, four):
+        assert counts["syncs"] > 0 and counts["ops"] > counts["allocating_ops"] > 0
+    assert four["ops"] > one["ops"]  # (four sequences' work, sampled)
