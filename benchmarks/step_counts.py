@@ -10,8 +10,9 @@ prompts (--context tokens) prefilled and one step taken, then one Engine.step wi
 - syncs: tensor data read into Python (`item`, `tolist`, `numpy`, `bool`/`int`/`float`/index
   of a tensor, `cpu`): on a GPU each waits for the device. Counted on the CPU as the same
   calls, so a read of a tensor that would stay on the host counts too (an upper bound);
-- host copies: tensors made from Python data (`torch.tensor`, `as_tensor`, `from_numpy`) and
-  blocking `.to(device)` calls: each a host-to-device copy on a GPU;
+- host copies: tensors made from Python data onto a device (`torch.tensor`, `as_tensor` with
+  `device=`) and blocking `.to(device)` calls: each a host-to-device copy on a GPU (a
+  tensor made on the host and kept there is not one);
 - ops: ATen ops dispatched, and of them those that allocate (every op but views and in-place
   ones).
 Writes <out>/step_counts.json (merged under --label).
@@ -40,7 +41,7 @@ READS = {
     torch.Tensor.__float__,
     torch.Tensor.__index__,
 }
-FROM_HOST = {torch.tensor, torch.as_tensor, torch.from_numpy}
+FROM_HOST = {torch.tensor, torch.as_tensor}
 MOVES = {torch.Tensor.to, torch.Tensor.cuda}
 
 
@@ -54,7 +55,7 @@ class _Functions(TorchFunctionMode):
         if func in READS:
             self.counts["syncs"] += 1
             self.counts[f"sync:{func.__name__}"] += 1
-        elif func in FROM_HOST:
+        elif func in FROM_HOST and kwargs.get("device") is not None:
             self.counts["host_copies"] += 1
             self.counts[f"host:{func.__name__}"] += 1
         elif func in MOVES and not kwargs.get("non_blocking", False) and _moves(args, kwargs):

@@ -19,7 +19,8 @@ def test_the_counter_counts_reads_copies_and_ops():
         t.tolist()
         if bool(t[0] > 1):
             pass
-        torch.tensor([1, 2, 3])
+        torch.tensor([1, 2, 3], device="cpu")
+        torch.tensor([4, 5])  # (made on the host, kept there: no copy)
         t.to("cpu")
         t.to("cpu", non_blocking=True)  # (pinned, asynchronous: not a blocking copy)
         t.to(torch.float64)  # (no device: not a move)
@@ -51,3 +52,21 @@ def test_the_counter_sees_a_real_engine_step(tiny_model_dir, tmp_path):
     for counts in (one, four):
         assert counts["syncs"] > 0 and counts["ops"] > counts["allocating_ops"] > 0
     assert four["ops"] > one["ops"]  # (four sequences' work, sampled)
+
+
+def test_a_steps_syncs_and_host_copies_do_not_grow_with_its_batch(tiny_model_dir, tmp_path):
+    """What crosses between host and device per step is per step, not per sequence (each
+    sequence's tree mask once took a copy of its own)."""
+    model = models.load_model(tiny_model_dir, "cpu", "float32")
+    redis = LocalCluster({}, tmp_path)
+    try:
+        url = redis.start_redis()
+        for sampled in (False, True):
+            two, eight = (
+                count_step(model, url, batch=b, nodes=8, context=32, sampled=sampled)
+                for b in (2, 8)
+            )
+            for kind in ("syncs", "host_copies"):
+                assert two[kind] == eight[kind], (kind, sampled, two, eight)
+    finally:
+        redis.kill_redis()

@@ -215,8 +215,13 @@ def build_mask(
     col = torch.arange(l_max, device=device)[None, None, :]  # [1, 1, Lmax]
     mask = (col <= past + row) & (row < new)  # [B, Nmax, Lmax]
     mask[:, :, 0] |= (row < new).logical_not()[:, :, 0]
-    for i in explicit:
-        p = placed[i]
-        start = p.past if p.mask_from is None else p.mask_from
-        mask[i, : news[i], start : p.past + news[i]] = p.mask.to(device)
+    if explicit:  # the segments' own masks cross to the device in one copy
+        starts = [p.past if p.mask_from is None else p.mask_from for p in placed]
+        widths = [placed[i].past + news[i] - starts[i] for i in explicit]
+        host = torch.zeros(len(explicit), n_max, max(widths), dtype=torch.bool)
+        for e, i in enumerate(explicit):
+            host[e, : news[i], : widths[e]] = placed[i].mask
+        own = host.to(device)
+        for e, i in enumerate(explicit):
+            mask[i, : news[i], starts[i] : starts[i] + widths[e]] = own[e, : news[i], : widths[e]]
     return mask[:, None]
