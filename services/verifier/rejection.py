@@ -61,19 +61,34 @@ class Parents:
         width = max(map(len, kids), default=0)
         support = max((len(d) for d in dists if d), default=1)
 
-        def put(rows: list[list], fill, columns: int, dtype: torch.dtype) -> torch.Tensor:
+        def host(rows: list[list], fill, columns: int, dtype: torch.dtype) -> torch.Tensor:
             rows = [row + [fill] * (columns - len(row)) for row in rows]
-            return torch.tensor(rows, dtype=dtype).reshape(len(rows), columns).to(device)
+            return torch.tensor(rows, dtype=dtype).reshape(len(rows), columns)
 
+        # The integer columns side by side, so that they cross to the device in one copy
+        # (and the probabilities in another).
+        ints = torch.cat(
+            [
+                host([[c for c, _ in k] for k in kids], 0, width, torch.long),
+                host([[t for _, t in k] for k in kids], 0, width, torch.long),
+                host([[1] * len(k) for k in kids], 0, width, torch.long),
+                host([[int(d is not None)] for d in dists], 0, 1, torch.long),
+                host([list(d or {}) for d in dists], 0, support, torch.long),
+            ],
+            dim=1,
+        ).to(device)
+        children, tokens, live, has_dist, support_ids = ints.split(
+            [width, width, width, 1, support], dim=1
+        )
         return cls(
             seq,
             node,
-            put([[c for c, _ in k] for k in kids], 0, width, torch.long),
-            put([[t for _, t in k] for k in kids], 0, width, torch.long),
-            put([[True] * len(k) for k in kids], False, width, torch.bool),
-            put([[d is not None] for d in dists], False, 1, torch.bool),
-            put([list(d or {}) for d in dists], 0, support, torch.long),
-            put([list((d or {}).values()) for d in dists], 0.0, support, torch.float32),
+            children,
+            tokens,
+            live != 0,
+            has_dist != 0,
+            support_ids,
+            host([list((d or {}).values()) for d in dists], 0.0, support, torch.float32).to(device),
         )
 
 
