@@ -58,15 +58,17 @@ class _Functions(TorchFunctionMode):
         elif func in FROM_HOST and kwargs.get("device") is not None:
             self.counts["host_copies"] += 1
             self.counts[f"host:{func.__name__}"] += 1
-        elif func in MOVES and not kwargs.get("non_blocking", False) and _moves(args, kwargs):
+        elif func in MOVES and not kwargs.get("non_blocking", False) and _moves(func, args, kwargs):
             self.counts["host_copies"] += 1
             self.counts["host:to"] += 1
         return func(*args, **kwargs)
 
 
-def _moves(args, kwargs) -> bool:
-    """Whether a `.to` call names a device (a copy across devices where it is not the one
-    the tensor is on; on the CPU every such call is counted)."""
+def _moves(func, args, kwargs) -> bool:
+    """Whether a `.to` call names a device, or it is `.cuda` (a copy across devices where it
+    is not the one the tensor is on; on the CPU every such call is counted)."""
+    if func is torch.Tensor.cuda:
+        return True
     targets = [*args[1:], kwargs.get("device")]
     return any(isinstance(t, (torch.device, str)) for t in targets)
 

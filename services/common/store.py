@@ -804,7 +804,10 @@ class RequestStore:
         read_at, fraction = self._memory
         if time.monotonic() - read_at < MEMORY_CHECK_SECONDS:
             return fraction
-        info = self.r.info("memory")  # (Redis Cluster: a dict per node)
+        if isinstance(self.r, RedisCluster):  # (a dict per node)
+            info = self.r.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        else:
+            info = self.r.info("memory")
         nodes = [info] if "used_memory" in info else list(info.values())
         fraction = max(
             (
@@ -844,6 +847,9 @@ class RequestStore:
         pipe.incrby(key, nbytes)
         pipe.expire(key, RESULT_TTL_SECONDS + 60)
         pipe.execute()
+
+    def exists(self, rid: str) -> bool:
+        return bool(self.r.exists(self.layout.req(rid)))
 
     def get(self, rid: str) -> RequestRecord | None:
         h = self.r.hgetall(self.layout.req(rid))

@@ -246,27 +246,26 @@ class OpenAIHttp:
         task = asyncio.current_task()
         assert task is not None
         try:
-            # The key first, from the headers: a call without one takes no call slot and
-            # has no body read.
-            who = await self._authenticate(request)
-            if len(self.calls) >= self.max_calls:
-                raise ApiError(
-                    429,
-                    f"{self.max_calls} calls in flight on this gateway; retry shortly",
-                    "rate_limit_error",
-                    code="rate_limit_exceeded",
-                    headers={"Retry-After": "1"},
-                )
-            self.calls.add(task)
-            body = await self._body(request, kind, who)
-        except ApiError as e:  # (a wrong key, a bad body): audited as on the gRPC port
-            self.calls.discard(task)
-            call = Call(peer=context.peer(), protocol=HttpContext.protocol, who=who)
-            self.service.refused(call, GRPC_NAME.get(e.status, "INVALID_ARGUMENT"))
-            raise
-        try:
+            try:
+                # The key first, from the headers: a call without one takes no call slot
+                # and has no body read.
+                who = await self._authenticate(request)
+                if len(self.calls) >= self.max_calls:
+                    raise ApiError(
+                        429,
+                        f"{self.max_calls} calls in flight on this gateway; retry shortly",
+                        "rate_limit_error",
+                        code="rate_limit_exceeded",
+                        headers={"Retry-After": "1"},
+                    )
+                self.calls.add(task)
+                body = await self._body(request, kind, who)
+            except ApiError as e:  # (a wrong key, a bad body): audited as on the gRPC port
+                call = Call(peer=context.peer(), protocol=HttpContext.protocol, who=who)
+                self.service.refused(call, GRPC_NAME.get(e.status, "INVALID_ARGUMENT"))
+                raise
             return await self._generate(request, kind, context, who, body)
-        finally:
+        finally:  # (however it ends: a client gone mid-body included)
             self.calls.discard(task)
 
     async def _generate(

@@ -127,6 +127,8 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         self.settling = ThreadPoolExecutor(1, thread_name_prefix="gateway-settle")
         self.tails = Tails(store, loop)
         self._cancels: set[asyncio.Task] = set()  # cancels of requests whose client left
+        self._submits: set[asyncio.Future] = set()  # Submits on their way to the scheduler
+        self._streaming: dict[str, int] = {}  # open streams by request id (as stored)
         self._slots: dict[str, str] = {}  # open streams' quota slots: stream id -> key id
         self._awaiting: dict[str, int] = {}  # calls whose request has not arrived, by key id
 
@@ -240,6 +242,9 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                 metadata=telemetry.inject(call.trace_ctx),
             )
         )
+        self._submits.add(call.submitted)
+        call.submitted.add_done_callback(self._submits.discard)
+        call.submitted.add_done_callback(_settled)
         try:
             await asyncio.shield(call.submitted)
         except grpc.RpcError as e:
@@ -361,8 +366,11 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         self._settle_soon(call, record)
 
     def _cancel_soon(self, rid: str, submitted: asyncio.Future | None) -> None:
-        """Cancels a request whose client left, if its Submit (when given) created it."""
+        """Cancels a request whose client left, if its Submit (when given) created it and no
+        other call on this gateway streams it (a client's retry that attached meanwhile)."""
         if submitted is not None and (submitted.cancelled() or submitted.exception()):
+            return
+        if self._streaming.get(rid):
             return
         task = self.loop.create_task(self._cancel_quietly(rid))
         self._cancels.add(task)
@@ -562,6 +570,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         metrics.OPEN_STREAMS.inc()
         marked = None  # the cursor as last set
         tail = self.tails.open(rid)
+        self._streaming[rid] = self._streaming.get(rid, 0) + 1
         opened_ms = int(time.time() * 1000)  # entries older than this are a catch-up
         try:
             while True:
@@ -613,6 +622,8 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                         return
         finally:
             self.tails.close(tail)
+            if (left := self._streaming.pop(rid) - 1) > 0:
+                self._streaming[rid] = left
 
     async def _final_chunk(self, rid: str, final: dict, text: str, first: int, context):
         error = final.pop("error", "")
@@ -639,8 +650,10 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
     async def cancels_sent(self, timeout: float) -> None:
         """Waits (up to `timeout`) for the cancels of requests whose client left to go out
         (a drain that cuts HTTP streams makes some just before the loop stops)."""
-        if self._cancels:
-            await asyncio.wait(list(self._cancels), timeout=timeout)
+        deadline = time.monotonic() + timeout
+        for pending in (self._submits, self._cancels):  # (a Submit that lands makes a cancel)
+            if pending and (left := deadline - time.monotonic()) > 0:
+                await asyncio.wait(list(pending), timeout=left)
 
     async def _cancel_quietly(self, rid: str) -> None:
         try:
@@ -690,6 +703,12 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             sha256=self.manifest["sha256"],
             pools=served_pools(verifiers, rollout["canary_share"]),
         )
+
+
+def _settled(submitted: asyncio.Future) -> None:
+    """A Submit's end, read (so that a failure nobody awaited is not reported as lost)."""
+    if not submitted.cancelled():
+        submitted.exception()
 
 
 def served_pools(verifiers: list[dict[str, str]], canary_share: float):

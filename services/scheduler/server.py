@@ -135,22 +135,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             )
         spec = json_format.MessageToDict(request, preserving_proto_field_name=True)
         try:
-            if (full := self.store.memory_fraction()) > self.settings.redis_memory_admit_fraction:
-                self._refuse_full(context, cls, f"Redis holds {full:.0%} of its maxmemory")
-            cap = self.settings.tenant_stored_bytes_limit
-            if request.tenant and cap and (held := self.store.stored_bytes(request.tenant)) > cap:
-                self._refuse_full(
-                    context,
-                    cls,
-                    f"tenant {request.tenant}'s requests of the last hour hold about {held} "
-                    f"bytes of Redis, past its cap of {cap}",
-                )
+            if not self.store.exists(request.request_id):  # (a retry is never refused here)
+                self._check_room(request, context, cls)
             code, waiting = self.store.create(
                 request.request_id, spec, cls, self.limits[cls], fingerprint(request)
             )
-            if code == 0 and request.tenant:
-                nbytes = len(json.dumps(spec)) + STORED_BYTES_PER_TOKEN * request.max_tokens
-                self.store.add_stored_bytes(request.tenant, nbytes)
         except redis.exceptions.OutOfMemoryError:
             self._refuse_full(context, cls, "Redis is out of memory")
         except REDIS_ERRORS as e:  # not acknowledged: the client retries (Submit is idempotent)
@@ -174,6 +163,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             )
         if code == 0:
             metrics.SUBMITTED.labels(cls).inc()
+            if request.tenant:
+                self._count_stored(request, spec)
         log.info(
             "submitted",
             extra={
@@ -184,6 +175,31 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             },
         )
         return scheduler_pb2.SubmitResponse(existing=code == 1, queue_position=waiting)
+
+    def _check_room(self, request, context, cls: str) -> None:
+        """RESOURCE_EXHAUSTED for a new request while Redis is nearly full, or while its
+        tenant's requests of the last hour hold its cap of Redis."""
+        if (full := self.store.memory_fraction()) > self.settings.redis_memory_admit_fraction:
+            self._refuse_full(context, cls, f"Redis holds {full:.0%} of its maxmemory")
+        cap = self.settings.tenant_stored_bytes_limit
+        if request.tenant and cap and (held := self.store.stored_bytes(request.tenant)) > cap:
+            self._refuse_full(
+                context,
+                cls,
+                f"tenant {request.tenant}'s requests of the last hour hold about {held} bytes "
+                f"of Redis, past its cap of {cap}",
+            )
+
+    def _count_stored(self, request, spec: dict) -> None:
+        """Adds what a request it created stores to its tenant's count (best effort: a
+        request is never refused for its count)."""
+        nbytes = len(json.dumps(spec)) + STORED_BYTES_PER_TOKEN * request.max_tokens
+        try:
+            self.store.add_stored_bytes(request.tenant, nbytes)
+        except REDIS_ERRORS as e:
+            log.warning(
+                "stored bytes not counted", extra={"tenant": request.tenant, "error": str(e)}
+            )
 
     @staticmethod
     def _refuse_full(context, cls: str, why: str) -> None:
