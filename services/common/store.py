@@ -71,7 +71,9 @@ ENDED = ("finished", "cancelled", "failed", "expired")
 RESULT_TTL_SECONDS = 3600
 # While Redis holds more than this share of its maxmemory, a request that ends is kept
 # PRESSED_RESULT_TTL_SECONDS (long enough to re-attach and read its end), not an hour: what
-# ended makes room for what runs. Redis's memory is read at most every MEMORY_CHECK_SECONDS.
+# ended makes room for what runs. Admission reads Redis's memory at most every
+# MEMORY_CHECK_SECONDS (a Submit each); a request's end reads it afresh (one INFO an end, so an
+# end right after Redis filled is kept the minute, not the hour).
 PRESSED_MEMORY_FRACTION = 0.5
 PRESSED_RESULT_TTL_SECONDS = 60
 MEMORY_CHECK_SECONDS = 0.5
@@ -798,11 +800,11 @@ class RequestStore:
                     break
         return sorted(out, key=_entry_order)
 
-    def memory_fraction(self) -> float:
+    def memory_fraction(self, max_age: float = MEMORY_CHECK_SECONDS) -> float:
         """How full Redis is: used_memory / maxmemory of its fullest node (0 with no
-        maxmemory), at most MEMORY_CHECK_SECONDS old."""
+        maxmemory), at most max_age seconds old."""
         read_at, fraction = self._memory
-        if time.monotonic() - read_at < MEMORY_CHECK_SECONDS:
+        if time.monotonic() - read_at < max_age:
             return fraction
         if isinstance(self.r, RedisCluster):  # (a dict per node)
             info = self.r.info("memory", target_nodes=RedisCluster.PRIMARIES)
@@ -823,7 +825,7 @@ class RequestStore:
     def result_ttl(self) -> int:
         """How long a request that ends now is kept (see PRESSED_MEMORY_FRACTION)."""
         try:
-            pressed = self.memory_fraction() > PRESSED_MEMORY_FRACTION
+            pressed = self.memory_fraction(max_age=0) > PRESSED_MEMORY_FRACTION
         except REDIS_ERRORS:
             pressed = False
         return PRESSED_RESULT_TTL_SECONDS if pressed else RESULT_TTL_SECONDS
