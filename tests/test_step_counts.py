@@ -70,3 +70,28 @@ def test_a_steps_syncs_and_host_copies_do_not_grow_with_its_batch(tiny_model_dir
                 assert two[kind] == eight[kind], (kind, sampled, two, eight)
     finally:
         redis.kill_redis()
+
+
+def test_a_step_reads_its_results_once_greedy_and_twice_sampled_at_any_batch(
+    tiny_model_dir, tmp_path
+):
+    """At most two device-to-host reads a verifier step (greedy: one, its verdicts and finite
+    flags together; sampled: a second for the bonus tokens), no blocking host-to-device copy
+    but the step buffer's one, at batch 1, 8 and 64 with 8-node trees; a greedy step's ATen
+    ops the same at batch 8 and 64 (its layout is numpy, no torch op per sequence)."""
+    model = models.load_model(tiny_model_dir, "cpu", "float32")
+    redis = LocalCluster({}, tmp_path)
+    try:
+        url = redis.start_redis()
+        for sampled in (False, True):
+            counts = {
+                b: count_step(model, url, batch=b, nodes=8, context=32, sampled=sampled)
+                for b in (1, 8, 64)
+            }
+            for b, c in counts.items():
+                assert c["syncs"] == (2 if sampled else 1), (b, sampled, c)
+                assert c["host_copies"] <= 1, (b, sampled, c)
+            if not sampled:
+                assert counts[8]["ops"] == counts[64]["ops"], counts
+    finally:
+        redis.kill_redis()

@@ -179,7 +179,6 @@ class FlatModel:
             fixed=fixed,
             model_version=model_version,
         )
-        self.pool.mirrored = self.shards is not None and self.shards.leader
         return self.pool
 
     def new_kv(self) -> SequenceKV:
@@ -191,9 +190,12 @@ class FlatModel:
         """Logits (float32) for each segment's rows from logits_from on: [rows, vocab] each.
         With shards, the other ranks run the same step; from the moment it is sent, any
         failure (theirs or this rank's: the ranks would be out of step) raises ShardsLost."""
-        placed = place(segments)
-        batch = Batch.of(placed, self.device)  # (a layout error stops this step alone)
-        step = Step(placed, self.pool.take_moves())
+        step = Step(place(segments), self.pool.take_moves())
+        try:
+            batch = Batch.of(step, self.device)  # (a layout error stops this step alone)
+        except Exception:
+            self.pool.put_back(step.moves)  # (the next pass makes them)
+            raise
         if self.shards is None:
             logits = self.run(step, batch)
         else:
@@ -210,11 +212,10 @@ class FlatModel:
         """Runs a planned step on this rank's weights and KV: every rank of a tensor-parallel
         model runs each step (the others from what rank 0 sent); logits come back on rank 0."""
         if batch is None:
-            batch = Batch.of(step.placed, self.device)
+            batch = Batch.of(step, self.device)
+        if batch.moves is not None:  # the paths kept since the last step, first
+            self.pool.apply_moves(*batch.moves)
         shards = self.shards
-        if shards is not None and not shards.leader:
-            for src, dst in step.moves:  # (rank 0 moved its entries as they were kept)
-                self.pool.move(src, dst)
         if shards is None:
             hidden = self.body.embed_tokens(batch.input_ids)  # [T, hidden]
         else:

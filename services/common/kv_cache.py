@@ -25,6 +25,7 @@ import logging
 import threading
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from . import prefix
@@ -75,10 +76,9 @@ class KVPool:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # sealed, unreferenced; LRU first
         self.hits = 0  # blocks handed out from the cache (tokens = hits * block_size)
         self._orphans: list[list[int]] = []  # tables of sequences collected unfreed
-        # Set on rank 0 of a tensor-parallel model: moves are kept for the other ranks, which
-        # make them at the start of the next step (Step.moves); nothing touches KV in between.
-        self.mirrored = False
-        self._moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Entries to move (kept paths), made at the start of the next step (Step.moves) on every
+        # rank of a tensor-parallel model; nothing touches KV in between.
+        self._moves: list[tuple[np.ndarray, np.ndarray]] = []
         self._lock = threading.Lock()
 
     @property
@@ -181,31 +181,40 @@ class KVPool:
             idle = [self.hash_of[b] for b in reversed(self.evictable)]
             return [prefix.short(h) for h in (held + idle)[:limit]]
 
-    def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+    def slots(self, table: list[int], start: int, end: int) -> np.ndarray:
         """[end - start] int64 (on the host): the slots of positions start..end-1 of a
         sequence whose block table is `table`."""
         size = self.block_size
         first, last = start // size, (end + size - 1) // size
-        blocks = torch.tensor(table[first:last], dtype=torch.long)
-        slots = (blocks[:, None] * size + torch.arange(size)).flatten()
+        blocks = np.asarray(table[first:last], dtype=np.int64)
+        slots = (blocks[:, None] * size + np.arange(size)).ravel()
         return slots[start - first * size : end - first * size]
 
-    @torch.inference_mode()
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copies the entries at slots `src` to slots `dst` ([m] host tensors), every layer."""
-        device = self.keys.device
-        to, frm = dst.to(device), src.to(device)
-        for tensor in (self.keys, self.values):
-            tensor[:, to] = tensor[:, frm]
-        if self.mirrored:
-            with self._lock:
-                self._moves.append((src, dst))
+    def move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copies the entries at slots `src` to slots `dst` ([m] host arrays), every layer, at
+        the start of the next forward pass (with every other move since the last pass, in one
+        copy: see apply_moves). Until then nothing reads or writes the pool's entries."""
+        with self._lock:
+            self._moves.append((src, dst))
 
-    def take_moves(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The moves made since the last call, in order."""
+    def take_moves(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The moves asked for since the last call, in order."""
         with self._lock:
             moves, self._moves = self._moves, []
         return moves
+
+    def put_back(self, moves: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Moves taken for a pass that never ran: they come first in the next one."""
+        with self._lock:
+            self._moves[:0] = moves
+
+    @torch.inference_mode()
+    def apply_moves(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Makes moves (src, dst [m] slots on the pool's device, several sequences' moves one
+        after another): every source entry is read before any is written, so a move's
+        destination may be another's source. No two moves share a destination."""
+        for tensor in (self.keys, self.values):
+            tensor[:, dst] = tensor[:, src]
 
     def orphaned(self, table: list[int]) -> None:
         """A sequence was collected without being freed: its blocks go back at the next call
@@ -328,8 +337,8 @@ class SequenceKV:
             self.pool.seal(self.table[index], parent)
             self.hashes.append(parent)
 
-    def slots(self, start: int, end: int) -> torch.Tensor:
-        """[end - start] slots of positions start..end-1 (host tensor)."""
+    def slots(self, start: int, end: int) -> np.ndarray:
+        """[end - start] slots of positions start..end-1 (host array)."""
         return self.pool.slots(self.table, start, end)
 
     def truncate(self, length: int) -> None:
@@ -351,10 +360,9 @@ class SequenceKV:
             spare, self.table = self.table[keep:], self.table[:keep]
             self.pool.release(spare[::-1])
 
-    @torch.inference_mode()
     def keep(self, start: int, offsets: list[int]) -> None:
         """Keeps entries start+offsets[i] at start+i, drops everything after them and gives
-        back the blocks only they used.
+        back the blocks only they used (the entries move at the next pass: KVPool.move).
 
         Used after tree verification: the accepted path's nodes move next to the prefix."""
         if offsets != list(range(len(offsets))):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 
 @dataclass
@@ -45,10 +45,10 @@ class DraftTree:
             kids.setdefault(p, []).append(i)
         return kids
 
-    def ancestor_mask(self) -> torch.Tensor:
+    def ancestor_mask(self) -> np.ndarray:
         """[nodes, nodes] bool: node i sees node j iff j is i or one of its ancestors."""
         n = len(self)
-        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask = np.zeros((n, n), dtype=bool)
         for i, p in enumerate(self.parents):
             if p >= 0:
                 mask[i] = mask[p]

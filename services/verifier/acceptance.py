@@ -37,8 +37,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..common.batch import Packer
 from ..common.tree import DraftTree
 from . import rejection
 from .sampling import SamplingParams
@@ -72,14 +74,16 @@ def accept(
     return select([Candidates(tree, logits, params, generator)])[0]
 
 
-def select(batch: list[Candidates]) -> list[Verdict]:
-    """One verdict per sequence, in order: greedy sequences and sampling ones alike."""
+def select(batch: list[Candidates]) -> list[Verdict | NonFinite]:
+    """One verdict per sequence, in order: greedy sequences and sampling ones alike; a
+    sequence whose logits are not all finite gets NonFinite instead."""
     if not batch:
         return []
     order = sorted(range(len(batch)), key=lambda i: not batch[i].params.greedy)
     ordered = [batch[i] for i in order]
     greedy = sum(c.params.greedy for c in ordered)  # the first `greedy` of `ordered`
-    layout = Layout.of([c.tree for c in ordered], ordered[0].logits.device)
+    device = ordered[0].logits.device
+    layout = Layout.of([c.tree for c in ordered], [len(c.tree) for c in batch], device)
     chosen, best = _greedy_choices(ordered[:greedy], layout)
     sampled = None
     if greedy < len(ordered):
@@ -87,7 +91,8 @@ def select(batch: list[Candidates]) -> list[Verdict]:
         chosen = torch.cat([chosen, sampled.chosen])
     accepted, ends = layout.paths(chosen)  # [seqs, width], [seqs]
     bonus = best[layout.row_start[:greedy] + ends[:greedy]]  # [greedy seqs]
-    flags, tokens = _to_host(accepted, bonus)  # the step's one transfer for greedy
+    finite = layout.finite(row_sums([c.logits for c in batch]))  # [seqs], in batch order
+    flags, tokens, ok = _to_host(accepted, bonus, finite)  # the step's one transfer for greedy
     paths = [
         [i for i in range(len(c.tree)) if flags[s][i]] for s, c in enumerate(ordered)
     ]  # node indices, root first
@@ -96,9 +101,21 @@ def select(batch: list[Candidates]) -> list[Verdict]:
         tokens += sampled.bonus(ends_here)  # (a second transfer)
     verdicts = {
         index: Verdict(path, [c.tree.token_ids[i] for i in path] + [token])
+        if ok[index]
+        else NonFinite()
         for index, path, c, token in zip(order, paths, ordered, tokens, strict=True)
     }
     return [verdicts[i] for i in range(len(batch))]
+
+
+class NonFinite(ValueError):
+    """A sequence's logits hold NaN or inf: its step cannot be decided."""
+
+    def __init__(self):
+        super().__init__(
+            "the target's logits are not finite (NaN or inf) after this request's tokens; "
+            "an overflow of a half-precision model? float32 or bfloat16 avoid it"
+        )
 
 
 def _greedy_choices(group: list[Candidates], layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,29 +134,47 @@ def _greedy_choices(group: list[Candidates], layout: Layout) -> tuple[torch.Tens
 def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors' rows one after another: a view when they already lie back to back in one
     buffer (as a forward pass's split logits do), else a copy."""
+    whole = back_to_back(tensors)
+    return torch.cat(tensors) if whole is None else whole
+
+
+def row_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[rows]: the sum of each row of the tensors, one after another; never a copy of them."""
+    whole = back_to_back(tensors)
+    if whole is None:
+        return torch.cat([t.sum(-1) for t in tensors])
+    return whole.sum(-1)
+
+
+def back_to_back(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors' rows as one view, if they lie back to back in one buffer; else None."""
     first = tensors[0]
     storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
     for t in tensors:
         same = t.untyped_storage().data_ptr() == storage and t.dtype == first.dtype
         if not (same and t.is_contiguous() and t.data_ptr() == end):
-            return torch.cat(tensors)
+            return None
         end += t.numel() * t.element_size()
     rows = sum(t.shape[0] for t in tensors)
     return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
-def _to_host(accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[list[list[int]], list[int]]:
-    """accepted [seqs, width] bool and bonus [greedy seqs] in one device-to-host transfer."""
+def _to_host(
+    accepted: torch.Tensor, bonus: torch.Tensor, finite: torch.Tensor
+) -> tuple[list[list[int]], list[int], list[bool]]:
+    """accepted [seqs, width] bool, bonus [greedy seqs] and finite [seqs] bool in one
+    device-to-host transfer."""
     seqs, width = accepted.shape
-    flat = torch.cat([accepted.flatten().long(), bonus]).tolist()
+    flat = torch.cat([accepted.flatten().long(), bonus, finite.long()]).tolist()
     flags = [flat[s * width : (s + 1) * width] for s in range(seqs)]
-    return flags, flat[seqs * width :]
+    return flags, flat[seqs * width : len(flat) - seqs], [bool(f) for f in flat[-seqs:]]
 
 
 @dataclass
 class Layout:
-    """A batch's trees as tensors on the logits' device. Nodes are numbered through the batch,
-    sequence after sequence, and so are rows (each sequence's row 0, then one per node)."""
+    """A batch's trees as tensors on the logits' device (views of one buffer, laid out on the
+    host in numpy and sent in one copy). Nodes are numbered through the batch, sequence after
+    sequence, and so are rows (each sequence's row 0, then one per node)."""
 
     tokens: torch.Tensor  # [nodes]
     parent_rows: torch.Tensor  # [nodes]: the row a node's token is checked against
@@ -147,16 +182,21 @@ class Layout:
     padded: torch.Tensor  # [nodes]: where a node sits in a [seqs * width] padding
     ancestors: torch.Tensor  # [seqs, width, width] bool: each tree's ancestor mask, padded
     row_start: torch.Tensor  # [seqs]: the row 0 of each sequence
+    seq_of_row: torch.Tensor  # [rows]: the sequence (in the batch's own order) of each row
     nodes: list[int]  # [seqs + 1]: the first node of each sequence, then the total
 
     @classmethod
-    def of(cls, trees: list[DraftTree], device: torch.device) -> Layout:
+    def of(cls, trees: list[DraftTree], batch_sizes: list[int], device: torch.device) -> Layout:
+        """`trees` in the order selection takes them; `batch_sizes` their sizes in the batch's
+        own order (in which the finite check reads the logits)."""
         width = max(map(len, trees))
-        tokens, parent_rows, first, padded, row_start, nodes = [], [], [], [], [], [0]
-        ancestors: list[list[list[bool]]] = []  # [seqs][width][width]
+        sizes = np.fromiter(map(len, trees), dtype=np.int64, count=len(trees))
+        nodes = np.concatenate([[0], np.cumsum(sizes)])  # [seqs + 1]
+        row_start = nodes[:-1] + np.arange(len(trees))  # predecessors' nodes, plus a row 0 each
+        tokens, parent_rows, first, padded = [], [], [], []
+        ancestors = np.zeros((len(trees), width, width), dtype=np.int64)
         for s, tree in enumerate(trees):
-            row = nodes[-1] + s  # rows before it: its predecessors' nodes, plus a row 0 each
-            row_start.append(row)
+            row = int(row_start[s])
             seen: set[tuple[int, int]] = set()
             for i, (token, parent) in enumerate(zip(tree.token_ids, tree.parents, strict=True)):
                 tokens.append(token)
@@ -164,21 +204,29 @@ class Layout:
                 first.append((parent, token) not in seen)
                 seen.add((parent, token))
                 padded.append(s * width + i)
-            ancestors.append(_ancestor_rows(tree, width))
-            nodes.append(nodes[-1] + len(tree))
+            if len(tree):
+                ancestors[s, : len(tree), : len(tree)] = tree.ancestor_mask()
+        seq_of_row = np.repeat(np.arange(len(trees)), np.asarray(batch_sizes) + 1)
+        packer = Packer()
+        handles = [
+            packer.add(values)
+            for values in (tokens, parent_rows, first, padded, ancestors, row_start, seq_of_row)
+        ]
+        buffer = packer.send(device)
+        t, pr, f, pad, anc, rs, sr = (Packer.view(buffer, h) for h in handles)
+        return cls(t, pr, f != 0, pad, anc != 0, rs, sr, nodes.tolist())
 
-        def put(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        return cls(
-            put(tokens),
-            put(parent_rows),
-            put(first, torch.bool),
-            put(padded),
-            put(ancestors, torch.bool).reshape(len(trees), width, width),
-            put(row_start),
-            nodes,
-        )
+    def finite(self, sums: torch.Tensor) -> torch.Tensor:
+        """[seqs] bool, in the batch's own order (`sums`: its rows' sums in that order):
+        whether every logit of each sequence's rows is finite, read off the
+        rows' sums (about 30x cheaper than a mask over [rows, vocab]). A NaN or inf anywhere
+        makes a sum so; finite logits cannot overflow it (float32 holds 1e38, and |logit| *
+        vocab is far below)."""
+        bad = (~torch.isfinite(sums)).long()  # [rows]
+        seqs = self.row_start.shape[0]
+        return torch.zeros(seqs, dtype=torch.long, device=bad.device).index_add_(
+            0, self.seq_of_row, bad
+        ) == 0
 
     def paths(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """From chosen [nodes] bool (at most one child per node): accepted [seqs, width], the
@@ -194,16 +242,6 @@ class Layout:
         rows = torch.arange(width + 1, device=chosen.device)  # [width + 1]: row 0, then nodes
         ends = (rows * reached).amax(1)  # [seqs]
         return accepted, ends
-
-
-def _ancestor_rows(tree: DraftTree, width: int) -> list[list[bool]]:
-    """tree.ancestor_mask() as lists, padded to [width, width] with False."""
-    rows: list[list[bool]] = []
-    for i, parent in enumerate(tree.parents):
-        row = list(rows[parent]) if parent >= 0 else [False] * width
-        row[i] = True
-        rows.append(row)
-    return rows + [[False] * width for _ in range(width - len(rows))]
 
 
 def select_each(batch: list[Candidates]) -> list[Verdict | Exception]:

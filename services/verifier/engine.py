@@ -30,7 +30,7 @@ from ..common.store import RequestStore, StepState
 from ..common.tensor_parallel import ShardsLost
 from ..common.tree import DraftTree
 from . import metrics, preemption, stages
-from .acceptance import Candidates, Verdict, select_each
+from .acceptance import Candidates, NonFinite, Verdict, select_each
 from .admission import Admission, Grant
 from .runner import ModelRunner, describe
 from .sampling import make_generator
@@ -333,6 +333,9 @@ class Engine:
     ) -> int:
         """Commits and appends one sequence's accepted tokens; a failure (in its selection,
         too) ends that sequence alone. Returns how many draft tokens it accepted."""
+        if isinstance(verdict, NonFinite):  # (its rows, not the engine: no traceback)
+            self._fail(seq, was, str(verdict))
+            return 0
         try:
             if isinstance(verdict, Exception):
                 raise verdict

@@ -22,8 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from ..common.batch import to_device
 from ..common.tree import DraftTree
 from .sampling import SamplingParams, target_probs
 
@@ -39,6 +41,7 @@ class Parents:
 
     seq: list[int]  # [parents]: its sequence in the group (parents come sequence by sequence)
     node: list[int]  # [parents]: its node in its tree (-1: the root)
+    rows: torch.Tensor  # [parents]: its row in its sequence's logits (node + 1)
     children: torch.Tensor  # [parents, width]: its children, numbered through the group
     tokens: torch.Tensor  # [parents, width]: their tokens (0 past the last child)
     live: torch.Tensor  # [parents, width] bool: whether it has an i-th child
@@ -61,34 +64,42 @@ class Parents:
         width = max(map(len, kids), default=0)
         support = max((len(d) for d in dists if d), default=1)
 
-        def host(rows: list[list], fill, columns: int, dtype: torch.dtype) -> torch.Tensor:
-            rows = [row + [fill] * (columns - len(row)) for row in rows]
-            return torch.tensor(rows, dtype=dtype).reshape(len(rows), columns)
+        def host(rows: list[list], columns: int, dtype=np.int64) -> np.ndarray:
+            out = np.zeros((len(rows), columns), dtype=dtype)
+            for r, row in enumerate(rows):
+                out[r, : len(row)] = row
+            return out
 
         # The integer columns side by side, so that they cross to the device in one copy
-        # (and the probabilities in another).
-        ints = torch.cat(
+        # (and the probabilities in another): its parents' rows, then per parent its
+        # children, their tokens, which are live, whether it has a q, and q's support.
+        ints = np.concatenate(
             [
-                host([[c for c, _ in k] for k in kids], 0, width, torch.long),
-                host([[t for _, t in k] for k in kids], 0, width, torch.long),
-                host([[1] * len(k) for k in kids], 0, width, torch.long),
-                host([[int(d is not None)] for d in dists], 0, 1, torch.long),
-                host([list(d or {}) for d in dists], 0, support, torch.long),
+                host([[c for c, _ in k] for k in kids], width),
+                host([[t for _, t in k] for k in kids], width),
+                host([[1] * len(k) for k in kids], width),
+                host([[int(d is not None)] for d in dists], 1),
+                host([list(d or {}) for d in dists], support),
             ],
-            dim=1,
-        ).to(device)
-        children, tokens, live, has_dist, support_ids = ints.split(
+            axis=1,
+        )
+        rows = np.asarray([n + 1 for n in node], dtype=np.int64)
+        packed = to_device(np.concatenate([rows, ints.ravel()]), device)
+        rows_on, ints_on = packed.split([len(rows), ints.size])
+        children, tokens, live, has_dist, support_ids = ints_on.view(ints.shape).split(
             [width, width, width, 1, support], dim=1
         )
+        q = host([list((d or {}).values()) for d in dists], support, np.float32)
         return cls(
             seq,
             node,
+            rows_on,
             children,
             tokens,
             live != 0,
             has_dist != 0,
             support_ids,
-            host([list((d or {}).values()) for d in dists], 0.0, support, torch.float32).to(device),
+            to_device(q, device),
         )
 
 
@@ -132,7 +143,7 @@ def decide(group: list[Candidates]) -> Decision:
     if not parents.seq:
         return Decision(group, parents, chosen[:nodes], torch.zeros(0, device=device))
     width = parents.children.shape[1]
-    rows = torch.tensor([n + 1 for n in parents.node], device=device)  # [parents]
+    rows = parents.rows  # [parents]
     counts = [parents.seq.count(s) for s in range(len(group))]
     pieces, u = [], []
     for c, index, count in zip(group, rows.split(counts), counts, strict=True):
