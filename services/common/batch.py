@@ -172,7 +172,11 @@ class Batch:
         positions = packer.add([t for p in placed for t in p.positions])
         writes = packer.add(np.concatenate([p.slots[p.past :] for p in placed]))
         rows = packer.add(
-            [s + r for p, s, n in zip(placed, starts, news, strict=True) for r in range(p.logits_from, n)]
+            [
+                s + r
+                for p, s, n in zip(placed, starts, news, strict=True)
+                for r in range(p.logits_from, n)
+            ]
         )
         moves = None
         if step.moves:
@@ -248,7 +252,9 @@ class GroupLayout:
             query_index = packer.add(np.where(live, offsets[:, None] + index, 0).ravel())
             output_index = packer.add((np.arange(b)[:, None] * n_max + index)[live])
         if starts is not None:
-            rows = packer.add(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, news)]))
+            rows = packer.add(
+                np.concatenate([np.arange(s, s + n) for s, n in zip(starts, news, strict=True)])
+            )
         explicit = [i for i, p in enumerate(placed) if p.mask is not None]
         mask = explicit_mask = None
         if not (b == 1 and n_max == 1 and not explicit):
@@ -263,7 +269,16 @@ class GroupLayout:
                 index.append((i * n_max + r.ravel()) * l_max + start + c.ravel())
                 values.append(own.ravel())
             explicit_mask = (packer.add(np.concatenate(index)), packer.add(np.concatenate(values)))
-        return cls((b, n_max, l_max), rows, kv_slots, kv_range, query_index, output_index, mask, explicit_mask)
+        return cls(
+            (b, n_max, l_max),
+            rows,
+            kv_slots,
+            kv_range,
+            query_index,
+            output_index,
+            mask,
+            explicit_mask,
+        )
 
     def on(self, buffer: torch.Tensor, device: torch.device) -> AttentionGroup:
         """The group's tensors: views of the step's buffer on `device`, and its mask."""
@@ -297,4 +312,3 @@ class GroupLayout:
             index, values = (Packer.view(buffer, h) for h in self.explicit)
             mask.view(-1)[index] = values.bool()
         return mask[:, None]
-

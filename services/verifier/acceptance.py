@@ -224,9 +224,12 @@ class Layout:
         vocab is far below)."""
         bad = (~torch.isfinite(sums)).long()  # [rows]
         seqs = self.row_start.shape[0]
-        return torch.zeros(seqs, dtype=torch.long, device=bad.device).index_add_(
-            0, self.seq_of_row, bad
-        ) == 0
+        return (
+            torch.zeros(seqs, dtype=torch.long, device=bad.device).index_add_(
+                0, self.seq_of_row, bad
+            )
+            == 0
+        )
 
     def paths(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """From chosen [nodes] bool (at most one child per node): accepted [seqs, width], the
