@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..common.batch import to_device
+from ..common.batch import Packer, to_device
 from ..common.tree import DraftTree
 from .sampling import SamplingParams, target_probs
 
@@ -70,30 +70,25 @@ class Parents:
                 out[r, : len(row)] = row
             return out
 
-        # The integer columns side by side, so that they cross to the device in one copy
-        # (and the probabilities in another): its parents' rows, then per parent its
-        # children, their tokens, which are live, whether it has a q, and q's support.
-        ints = np.concatenate(
-            [
-                host([[c for c, _ in k] for k in kids], width),
-                host([[t for _, t in k] for k in kids], width),
-                host([[1] * len(k) for k in kids], width),
-                host([[int(d is not None)] for d in dists], 1),
-                host([list(d or {}) for d in dists], support),
-            ],
-            axis=1,
-        )
-        rows = np.asarray([n + 1 for n in node], dtype=np.int64)
-        packed = to_device(np.concatenate([rows, ints.ravel()]), device)
-        rows_on, ints_on = packed.split([len(rows), ints.size])
-        children, tokens, live, has_dist, support_ids = ints_on.view(ints.shape).split(
-            [width, width, width, 1, support], dim=1
+        # The integers cross to the device in one copy, the probabilities in another.
+        packer = Packer()
+        handles = [
+            packer.add([n + 1 for n in node]),  # each parent's row
+            packer.add(host([[c for c, _ in k] for k in kids], width)),
+            packer.add(host([[t for _, t in k] for k in kids], width)),
+            packer.add(host([[1] * len(k) for k in kids], width)),
+            packer.add(host([[int(d is not None)] for d in dists], 1)),
+            packer.add(host([list(d or {}) for d in dists], support)),
+        ]
+        buffer = packer.send(device)
+        rows, children, tokens, live, has_dist, support_ids = (
+            Packer.view(buffer, h) for h in handles
         )
         q = host([list((d or {}).values()) for d in dists], support, np.float32)
         return cls(
             seq,
             node,
-            rows_on,
+            rows,
             children,
             tokens,
             live != 0,
