@@ -8,7 +8,7 @@ Candidates (benchmarks/attention_batch.py), all computing the same attention:
   built on the host (the per-sequence FlatModel before the block pool).
 - padded: one SDPA over [B, heads, Nmax, d], K/V gathered from the block pool into
   [B, kv_heads, Lmax, d], a [B, 1, Nmax, Lmax] mask built from (past, new) per sequence
-  (what services/common/attention.py does).
+  (what services/engine/attention.py does).
 - padded_nogather: the same over contiguous per-sequence KV (prices the gather).
 - padded_expanded: padded with K/V repeated to the query heads instead of SDPA's grouped-query
   path (enable_gqa), which CUDA's memory-efficient kernel refuses: with a mask and

@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 
 from specserve.common import models
-from specserve.common.flat_model import FlatModel, Segment
 from specserve.common.settings import ModelRef, ServiceSettings, VerifierSettings
 from specserve.common.tree import DraftTree
+from specserve.engine.flat_model import FlatModel, Segment
 from specserve.plan import measure_this_machine
 from specserve.verifier.runner import ModelRunner
 from specserve.verifier.sampling import SamplingParams

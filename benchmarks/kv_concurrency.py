@@ -42,10 +42,10 @@ import torch
 
 from specserve.common import models
 from specserve.common.capacity import kv_need
-from specserve.common.flat_model import FlatModel
 from specserve.common.settings import ModelRef, ServiceSettings
 from specserve.common.store import RequestStore
 from specserve.common.tree import DraftTree
+from specserve.engine.flat_model import FlatModel
 from specserve.local_cluster import free_port
 from specserve.verifier.admission import Admission, Refused
 from specserve.verifier.engine import Engine

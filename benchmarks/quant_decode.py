@@ -10,7 +10,7 @@ bfloat16 over --tokens tokens: `same_prefix`, the tokens produced before the fir
 difference; `teacher_forced`, the share of positions whose argmax equals bfloat16's token
 when both read bfloat16's own output.
 
-Candidates: `bfloat16`, `float32`; `int8`, `int4` (services/common/quant.py, torch's own
+Candidates: `bfloat16`, `float32`; `int8`, `int4` (services/engine/quant.py, torch's own
 kernels); `dynamic-int8` (torch.ao quantize_dynamic, float32 activations); and, where the
 torchao package imports, `torchao-int8`, `torchao-int4`, `torchao-int8-dyn`. `--compile NAMES`
 adds a `NAME+compiled` row for each, with every decoder layer's MLP under torch.compile
@@ -34,9 +34,10 @@ from pathlib import Path
 
 import torch
 
-from specserve.common import models, quant
-from specserve.common.flat_model import FlatModel, Segment
+from specserve.common import models
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
+from specserve.engine import quant
+from specserve.engine.flat_model import FlatModel, Segment
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome, with a docstring."
 WARMUP = 4

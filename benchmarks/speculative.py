@@ -23,7 +23,7 @@ arrival / time from the first arrival to the last; TTFT = first arrival - start.
 --target / --draft: Hugging Face model directories instead of the default pair (stand-ins of
 the same shapes with random weights time the same passes, but their drafts are rarely
 accepted: such rows measure the cost of speculation, not its gain). --dtype int8 or int4
-quantises the target and every drafter (weight-only, services/common/quant.py); it times the
+quantises the target and every drafter (weight-only, services/engine/quant.py); it times the
 cluster rows only (--skip-hf).
 Writes <out>/speculative.json and <out>/speculative.png.
 """

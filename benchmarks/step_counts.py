@@ -164,8 +164,8 @@ class FixedTrees:
 
 
 def count_step(model, redis_url: str, batch: int, nodes: int, context: int, sampled: bool):
-    from specserve.common.flat_model import FlatModel
     from specserve.common.store import RequestStore
+    from specserve.engine.flat_model import FlatModel
     from specserve.verifier.admission import Admission
     from specserve.verifier.engine import Engine
     from specserve.verifier.runner import ModelRunner

@@ -30,8 +30,8 @@ import torch
 
 from benchmarks.engine import spread
 from specserve.common import models
-from specserve.common.flat_model import FlatModel, Segment
 from specserve.common.settings import ModelRef, ServiceSettings
+from specserve.engine.flat_model import FlatModel, Segment
 from specserve.verifier.ranks import Ranks
 
 OUT = Path(__file__).parent / "results" / "tensor_parallel.json"

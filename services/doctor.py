@@ -153,7 +153,7 @@ def tensor_parallel(verifier, path: Path) -> Finding:
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from .common.tensor_parallel import ShardError, shard_config
+    from .engine.tensor_parallel import ShardError, shard_config
 
     n = verifier.tensor_parallel
     backend = "gloo" if verifier.device == "cpu" else "nccl"

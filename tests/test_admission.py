@@ -10,7 +10,7 @@ import torch
 
 from specserve.common import prefix
 from specserve.common.capacity import admission_blocks, kv_fit_problem, kv_need
-from specserve.common.kv_cache import KVPool
+from specserve.engine.kv_cache import KVPool
 from specserve.scheduler.placement import (
     VerifierLoad,
     Want,
@@ -122,7 +122,7 @@ def test_admission_waits_while_preempted_sequences_wait_and_says_so_in_its_load(
 
 def SequenceFor(pool: KVPool, ids: list[int]):
     """A sequence holding `ids`, its full blocks sealed."""
-    from specserve.common.kv_cache import SequenceKV
+    from specserve.engine.kv_cache import SequenceKV
 
     kv = SequenceKV(pool)
     kv.reserve(len(ids))

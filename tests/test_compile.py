@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from helpers import make_sequence
-from specserve.common.compiler import Compiler
-from specserve.common.flat_model import FlatModel, Segment
-from specserve.common.settings import ConfigError
 from specserve.common.tree import DraftTree
+from specserve.engine.compiler import CompileFailed, Compiler
+from specserve.engine.flat_model import FlatModel, Segment
 from specserve.verifier.reference import hf_greedy
 from specserve.verifier.runner import tree_segment
 
@@ -67,5 +66,5 @@ def test_a_compile_failure_stops_the_start_naming_the_key(tiny_model, monkeypatc
         raise RuntimeError("no C++ compiler found\nmore detail")
 
     monkeypatch.setattr(Compiler, "_backend", broken)
-    with pytest.raises(ConfigError, match=r"verifier\.compile: torch\.compile failed .*C\+\+"):
+    with pytest.raises(CompileFailed, match=r"verifier\.compile: torch\.compile failed .*C\+\+"):
         FlatModel.prepare(tiny_model, compile=True, key="verifier.compile")

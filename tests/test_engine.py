@@ -19,10 +19,10 @@ import torch
 from conftest import DEVICE
 from helpers import make_sequence, wait_until
 from specserve.common import models
-from specserve.common.flat_model import FlatModel
 from specserve.common.proposers.base import DraftJob, TreeShape
 from specserve.common.store import RequestStore
 from specserve.drafter.draft_model import DraftModelProposer
+from specserve.engine.flat_model import FlatModel
 from specserve.verifier import acceptance as acceptance_module
 from specserve.verifier import engine as engine_module
 from specserve.verifier.admission import Admission

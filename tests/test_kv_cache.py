@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from specserve.common.flat_model import FlatModel, Segment
-from specserve.common.kv_cache import KVPool, OutOfBlocks, SequenceKV
+from specserve.engine.flat_model import FlatModel, Segment
+from specserve.engine.kv_cache import KVPool, OutOfBlocks, SequenceKV
 
 
 def pool(blocks: int = 4, block_size: int = 4) -> KVPool:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from helpers import make_sequence
-from specserve.common.flat_model import SequenceKV
-from specserve.common.kv_cache import KVPool
+from specserve.engine.flat_model import SequenceKV
+from specserve.engine.kv_cache import KVPool
 from specserve.verifier import preemption
 
 

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 models (common/quant.py): close to their weights, batch-independent
+"""Weight-only int8 / int4 models (engine/quant.py): close to their weights, batch-independent
 rows, and speculation exact relative to the quantised target's own plain decoding."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from test_speculative import PROMPTS, speculative_greedy
 from torch import nn
 
 from conftest import DEVICE, NOISE, default_target_dir, save_tiny_qwen
-from specserve.common import gemm, models, quant
-from specserve.common.flat_model import FlatModel, Segment
+from specserve.common import models
 from specserve.common.proposers.base import TreeShape
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
 from specserve.drafter.draft_model import DraftModelProposer
+from specserve.engine import gemm, quant
+from specserve.engine.flat_model import FlatModel, Segment
 from specserve.verifier.sequence import common_prefix
 
 KINDS = ["int8", "int4"]

@@ -18,10 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from conftest import DEVICE
-from specserve.common.flat_model import FlatModel
 from specserve.common.proposers.base import DraftJob, TreeShape
 from specserve.common.tree import DraftTree
 from specserve.drafter.draft_model import DraftModelProposer
+from specserve.engine.flat_model import FlatModel
 from specserve.verifier.acceptance import Candidates, select
 from specserve.verifier.sampling import SamplingParams, target_probs
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from helpers import make_sequence
-from specserve.common.flat_model import FlatModel
 from specserve.common.proposers.base import DraftJob, TreeShape
 from specserve.common.proposers.ngram import NgramProposer
 from specserve.common.proposers.suffix import SharedOutputs, SuffixProposer
 from specserve.drafter.draft_model import DraftModelProposer
 from specserve.drafter.hybrid import HybridProposer
+from specserve.engine.flat_model import FlatModel
 from specserve.verifier.acceptance import accept
 from specserve.verifier.reference import hf_greedy
 from specserve.verifier.runner import ModelRunner

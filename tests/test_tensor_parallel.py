@@ -26,9 +26,9 @@ from transformers import Qwen2Config
 from conftest import DEVICE, cluster_config
 from helpers import Client, children, generate, request, scrape, wait_until
 from specserve.common import models
-from specserve.common.flat_model import FlatModel, Segment
 from specserve.common.store import RequestStore
-from specserve.common.tensor_parallel import ShardError, rank_devices, shard_config
+from specserve.engine.flat_model import FlatModel, Segment
+from specserve.engine.tensor_parallel import ShardError, rank_devices, shard_config
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2_grpc
 from specserve.verifier.ranks import Ranks, RanksFailed

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from helpers import make_sequence
-from specserve.common.batch import Batch
-from specserve.common.flat_model import FlatModel, Segment
 from specserve.common.tree import DraftTree
+from specserve.engine.batch import Batch
+from specserve.engine.flat_model import FlatModel, Segment
 from specserve.verifier.runner import tree_segment
 
 

@@ -340,14 +340,14 @@ def load_model(
     ranks), only that rank's shard of its weights (tensor_parallel.py).
 
     dtype "int8" / "int4": weight-only quantised linear layers on torch's own kernels (see
-    common/quant.py), quantised from the bfloat16 weights (loading float32 first would double
+    engine/quant.py), quantised from the bfloat16 weights (loading float32 first would double
     the memory a start needs, for codes that differ in rare roundings); the rest runs in
     float32, which keeps speculation exact. A build or device that cannot run them raises
     ModelError naming `setting`. A half-precision model on a CPU without bfloat16 matrix
     instructions runs its large products in float32 (gemm.py)."""
     from transformers import AutoModelForCausalLM
 
-    from . import gemm, quant
+    from ..engine import gemm, quant
 
     quantised = dtype in quant.QUANTISED
     try:
@@ -355,7 +355,7 @@ def load_model(
             quant.probe(dtype, device)  # before the load: a minute saved on a failure
         load_dtype = torch_dtype("bfloat16" if quantised else dtype)
         if shard is not None:
-            from .tensor_parallel import load_shard
+            from ..engine.tensor_parallel import load_shard
 
             model = load_shard(path, *shard, load_dtype, device)
         else:
@@ -378,7 +378,7 @@ def weight_bytes(model) -> int:
 def loaded_dtype(model) -> str:
     """The dtype a loaded model runs in, read off the model: "int8" / "int4" where load_model
     quantised its linear layers, else its weights' dtype ("bfloat16", "float32", ...)."""
-    from . import quant
+    from ..engine import quant
 
     return quant.kind_of(model) or str(next(model.parameters()).dtype).removeprefix("torch.")
 

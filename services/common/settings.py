@@ -498,7 +498,7 @@ class VerifierSettings(ServiceSettings):
         if self.tensor_parallel > 1 and self.device != "cpu":
             import torch
 
-            from .tensor_parallel import rank_devices
+            from ..engine.tensor_parallel import rank_devices
 
             rank_devices(self.device, self.tensor_parallel, torch.cuda.device_count())
         return self

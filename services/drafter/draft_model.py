@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from ..common import models
-from ..common.flat_model import FlatModel, Segment, SequenceKV
 from ..common.proposers.base import DraftJob, Proposer, TreeShape, shape_of
-from ..common.settings import DrafterSettings, ModelRef
+from ..common.settings import ConfigError, DrafterSettings, ModelRef
 from ..common.tree import DraftTree
+from ..engine.flat_model import CompileFailed, FlatModel, Segment, SequenceKV
 from .metrics import COMPILED_GRAPHS
 
 
@@ -56,12 +56,15 @@ class DraftModelProposer(Proposer):
         if settings.draft_model_path:
             ref = ModelRef(path=settings.draft_model_path)
         path, _ = models.resolve(ref, settings.model_cache_dir)
-        model, _ = FlatModel.prepare(
-            models.load_model(path, settings.device, settings.dtype, setting="drafter.dtype"),
-            compile=settings.compile,
-            key="drafter.compile",
-            on_graph=lambda _: COMPILED_GRAPHS.inc(),
-        )
+        try:
+            model, _ = FlatModel.prepare(
+                models.load_model(path, settings.device, settings.dtype, setting="drafter.dtype"),
+                compile=settings.compile,
+                key="drafter.compile",
+                on_graph=lambda _: COMPILED_GRAPHS.inc(),
+            )
+        except CompileFailed as e:
+            raise ConfigError(str(e)) from e
         return cls(model, shape_of(settings), settings.sample_support)
 
     def forget(self, seq_id: str) -> None:

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..common.batch import Packer
 from ..common.tree import DraftTree
+from ..engine.batch import Packer
 from . import rejection
 from .sampling import SamplingParams
 

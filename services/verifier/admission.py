@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..common.flat_model import FlatModel, OutOfBlocks, SequenceKV
-from ..common.kv_cache import KVPool
+from ..engine.flat_model import FlatModel, OutOfBlocks, SequenceKV
+from ..engine.kv_cache import KVPool
 
 
 @dataclass

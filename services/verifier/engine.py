@@ -27,8 +27,8 @@ import torch
 
 from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
 from ..common.store import RequestStore, StepState
-from ..common.tensor_parallel import ShardsLost
 from ..common.tree import DraftTree
+from ..engine.tensor_parallel import ShardsLost
 from . import metrics, preemption, stages
 from .acceptance import Candidates, NonFinite, Verdict, select_each
 from .admission import Admission, Grant

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ..common.flat_model import OutOfBlocks, SequenceKV
-from ..common.kv_cache import KVPool
 from ..common.tree import DraftTree
+from ..engine.flat_model import OutOfBlocks, SequenceKV
+from ..engine.kv_cache import KVPool
 from . import metrics
 from .sequence import Sequence
 from .step_plan import StepPlan

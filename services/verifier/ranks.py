@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..common import models
-from ..common.tensor_parallel import Shards, rank_devices
+from ..engine.tensor_parallel import Shards, rank_devices
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +204,8 @@ def _die_with(parent: int) -> None:
 
 def follow(rank: int, spec: RankSpec) -> int:
     """A rank other than 0: join, load this rank's shard, run rank 0's steps until it stops."""
-    from ..common.compiler import Compiler
-    from ..common.flat_model import FlatModel
+    from ..engine.compiler import Compiler
+    from ..engine.flat_model import FlatModel
 
     if spec.threads:
         torch.set_num_threads(spec.threads)

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..common.batch import Packer, to_device
 from ..common.tree import DraftTree
+from ..engine.batch import Packer, to_device
 from .sampling import SamplingParams, target_probs
 
 if TYPE_CHECKING:

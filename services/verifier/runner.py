@@ -8,9 +8,9 @@ import time
 import numpy as np
 import torch
 
-from ..common.flat_model import FlatModel, Segment
-from ..common.tensor_parallel import ShardsLost
 from ..common.tree import DraftTree
+from ..engine.flat_model import FlatModel, Segment
+from ..engine.tensor_parallel import ShardsLost
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)

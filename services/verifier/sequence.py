@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..common.flat_model import SequenceKV
+from ..engine.flat_model import SequenceKV
 from .sampling import SamplingParams
 
 

@@ -15,11 +15,11 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from ..common import models, telemetry
-from ..common.flat_model import FlatModel
 from ..common.grpc_server import Server
 from ..common.settings import ConfigError, VerifierSettings
 from ..common.store import RequestStore, heartbeat_forever, now_ms
-from ..common.tensor_parallel import ShardError, shard_config
+from ..engine.flat_model import CompileFailed, FlatModel
+from ..engine.tensor_parallel import ShardError, shard_config
 from ..v1 import verifier_pb2 as pb
 from ..v1 import verifier_pb2_grpc as pb_grpc
 from . import metrics
@@ -331,13 +331,16 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
         model.config.vocab_size * settings.tensor_parallel,  # (a shard's is 1/N of it)
         discover=lambda: registered_drafters(store, settings.pool),
     )
-    flat, warm_up_s = FlatModel.prepare(
-        model,
-        compile=settings.compile,
-        key="verifier.compile",
-        on_graph=lambda _: metrics.COMPILED_GRAPHS.inc(),
-        shards=ranks and ranks.shards,
-    )
+    try:
+        flat, warm_up_s = FlatModel.prepare(
+            model,
+            compile=settings.compile,
+            key="verifier.compile",
+            on_graph=lambda _: metrics.COMPILED_GRAPHS.inc(),
+            shards=ranks and ranks.shards,
+        )
+    except CompileFailed as e:
+        raise ConfigError(str(e)) from e
     metrics.WARM_UP_SECONDS.set(warm_up_s)
     served = Served.of(settings, models.fingerprint(path, manifest))
     budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)

@@ -24,8 +24,9 @@ import torch
 from .attention import attend, write_kv
 from .batch import Batch, Segment, Step, place
 from .compiler import CompileFailed, Compiler
+from .gemm import column_major_head
 from .kv_cache import BLOCK_SIZE, KVPool, OutOfBlocks, SequenceKV
-from .settings import ConfigError
+from .layers import DecoderLayer, rms_norm
 from .tensor_parallel import Shards, ShardsLost
 
 log = logging.getLogger(__name__)
@@ -80,14 +81,18 @@ class FlatModel:
             )
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise UnsupportedModel("sliding-window attention layers are not supported")
+        column_major_head(hf_model)  # (a CPU's BLAS multiplies one row by it faster)
         self.hf = hf_model
         self.body = hf_model.model
-        self.layers = list(self.body.layers)
         self.num_heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
+        self.layers = [
+            DecoderLayer(layer, self.num_heads, self.kv_heads, self.head_dim)
+            for layer in self.body.layers
+        ]
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.shards = shards
@@ -117,13 +122,14 @@ class FlatModel:
         shards: Shards | None = None,
     ) -> tuple[FlatModel, float]:
         """A FlatModel, compiled when `compile`, and warmed up; with the warm-up's seconds.
-        A compile failure stops the start with a ConfigError naming the config `key`."""
+        A compile failure raises CompileFailed naming the config `key` (the caller's start
+        stops on it)."""
         compiler = Compiler(on_graph) if compile else None
         model = cls(hf_model, kv_tokens=kv_tokens, compiler=compiler, shards=shards)
         try:
             seconds = model.warm_up()
         except CompileFailed as e:
-            raise ConfigError(
+            raise CompileFailed(
                 f"{key}: torch.compile failed for this model, device and dtype ({e}); "
                 f"set {key}: false to run eagerly"
             ) from e
@@ -231,7 +237,7 @@ class FlatModel:
             else:  # row-parallel products: each rank's is a partial sum
                 hidden = hidden + shards.reduce(self.out(layer, attended))
                 hidden = hidden + shards.reduce(self.mlp(layer, hidden))
-        hidden = self.body.norm(hidden[batch.logit_rows])  # [rows, hidden]
+        hidden = rms_norm(self.body.norm, hidden[batch.logit_rows])  # [rows, hidden]
         logits = self.hf.lm_head(hidden).float()
         if shards is not None and (logits := shards.gather_vocab(logits)) is None:
             return []
@@ -261,31 +267,18 @@ class FlatModel:
             self.shards.lost = f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
         return ShardsLost(self.shards.lost)
 
-    def _front(self, layer, hidden, cos, sin):
-        """The layer up to attention: [T, hidden] -> q [T, heads, head_dim], k and v
-        [T, kv_heads, head_dim], rotary positions applied."""
-        attn, tokens = layer.self_attn, hidden.shape[0]
-        x = layer.input_layernorm(hidden)
-        q = attn.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(tokens, self.kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
-    def _back(self, layer, hidden, attended):
-        """The layer after attention: output projection, residuals and the MLP."""
-        hidden = hidden + self._out(layer, attended)
-        return hidden + self._mlp(layer, hidden)
+    @staticmethod
+    def _front(layer: DecoderLayer, hidden, cos, sin):
+        return layer.front(hidden, cos, sin)
 
     @staticmethod
-    def _out(layer, attended):
-        """[T, heads, head_dim] -> [T, hidden]: the attention's output projection."""
-        return layer.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
+    def _back(layer: DecoderLayer, hidden, attended):
+        return layer.back(hidden, attended)
 
     @staticmethod
-    def _mlp(layer, hidden):
-        return layer.mlp(layer.post_attention_layernorm(hidden))
+    def _out(layer: DecoderLayer, attended):
+        return layer.out(attended)
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    @staticmethod
+    def _mlp(layer: DecoderLayer, hidden):
+        return layer.mlp(hidden)

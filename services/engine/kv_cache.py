@@ -28,8 +28,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from . import prefix
-from .capacity import admission_blocks
+from ..common import prefix
+from ..common.capacity import admission_blocks
 
 log = logging.getLogger(__name__)
 

@@ -62,3 +62,23 @@ def widen(model: nn.Module) -> int:
             extra={"layers": changed, "rows_over": WIDE_ROWS, "why": "no bfloat16 matmul here"},
         )
     return changed
+
+
+@torch.no_grad()
+def column_major_head(model: nn.Module) -> bool:
+    """Stores a CPU model's float LM head weight [vocab, hidden] column-major (the same
+    tensor, its storage transposed; a tied embedding shares it). A decode step multiplies one
+    row by it, and CPU BLAS runs that product 3x faster when the weight is hidden-major: the
+    36M proxy's [151936, 192] head took 16.0 ms a row stored by rows and 5.1 ms by columns
+    (float32, 2 threads; about its read time), and the default draft's [151936, 896] head
+    44 ms and 25 ms; at 8 rows and more the two layouts cost the same. An embedding lookup
+    from it is a strided gather: 4,096 prompt tokens of 1,536 took 44 ms against 1.8 ms,
+    small beside the prompt's forward. Returns whether it changed the layout."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if type(head) not in (nn.Linear, WideLinear) or weight.device.type != "cpu":
+        return False
+    if not weight.is_floating_point() or weight.stride(0) == 1:
+        return False
+    weight.data = weight.data.t().contiguous().t()
+    return True
