@@ -150,6 +150,7 @@ class Batch:
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
+    max_position: int  # the largest of them (host)
     write_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
     groups: list[AttentionGroup]  # one or two; every row of the batch is in exactly one
     logit_rows: torch.Tensor  # [R] rows that get logits
@@ -169,7 +170,8 @@ class Batch:
         starts = np.cumsum([0, *news[:-1]]).tolist()
         packer = Packer()
         ids = packer.add([t for p in placed for t in p.token_ids])
-        positions = packer.add([t for p in placed for t in p.positions])
+        every_position = [t for p in placed for t in p.positions]
+        positions = packer.add(every_position)
         writes = packer.add(np.concatenate([p.slots[p.past :] for p in placed]))
         rows = packer.add(
             [
@@ -200,6 +202,7 @@ class Batch:
         return cls(
             input_ids=view(ids),
             positions=view(positions),
+            max_position=max(every_position, default=0),
             write_slots=view(writes),
             groups=[layout.on(buffer, device) for layout in layouts],
             logit_rows=view(rows),

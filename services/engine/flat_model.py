@@ -26,7 +26,7 @@ from .batch import Batch, Segment, Step, place
 from .compiler import CompileFailed, Compiler
 from .gemm import column_major_head
 from .kv_cache import BLOCK_SIZE, KVPool, OutOfBlocks, SequenceKV
-from .layers import DecoderLayer, rms_norm
+from .layers import DecoderLayer, RotaryTable, rms_norm
 from .tensor_parallel import Shards, ShardsLost
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class FlatModel:
         ]
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.rotary = RotaryTable(self.body.rotary_emb, self.dtype, self.device)
         self.shards = shards
         if shards is not None:
             shards.vocab_start = shards.rank * self.body.embed_tokens.num_embeddings
@@ -226,8 +227,7 @@ class FlatModel:
             hidden = self.body.embed_tokens(batch.input_ids)  # [T, hidden]
         else:
             hidden = shards.embed(self.body.embed_tokens, batch.input_ids)
-        cos, sin = self.body.rotary_emb(hidden, batch.positions[None])
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, head_dim]
+        cos, sin = self.rotary(batch.positions, batch.max_position)  # [T, 1, head_dim]
         for index, layer in enumerate(self.layers):
             q, k, v = self.front(layer, hidden, cos, sin)
             write_kv(self.pool, index, batch, k, v)
