@@ -9,6 +9,9 @@ import torch
 
 from benchmarks.step_counts import StepCounter, count_step
 from specserve.common import models
+from specserve.common.proposers.base import DraftJob, TreeShape
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.engine.flat_model import FlatModel
 from specserve.local_cluster import LocalCluster
 
 
@@ -96,3 +99,33 @@ def test_a_step_reads_its_results_once_greedy_and_twice_sampled_at_any_batch(
                 assert counts[8]["ops"] == counts[64]["ops"], counts
     finally:
         redis.kill_redis()
+
+
+def _drafter_counts(proposer, batch: int, temperature: float, shape_nodes: int) -> dict:
+    jobs = [
+        DraftJob(f"s{i}", list(range(3 + i, 40 + i)), budget=16, temperature=temperature, seed=i)
+        for i in range(batch)
+    ]
+    proposer.propose(jobs)  # (the prompts' KV; the counted step drafts on it)
+    for job in jobs:
+        job.tokens = job.tokens + [7, 8]
+    with StepCounter() as c:
+        trees = proposer.propose(jobs)
+    assert all(len(t) >= shape_nodes for t in trees), [len(t) for t in trees]
+    return c.counts
+
+
+def test_a_draft_model_reads_the_device_once_a_level_at_any_batch(tiny_draft):
+    """A draft-model tree of depth 4 (branching 2, width 4: 14 nodes or more) reads its choices from
+    the device once per level for the whole batch, greedy or sampled, at 1 and 8 sequences;
+    its ATen ops grow with the levels, not with the sequences (it once read every node's
+    choices apart: 44 reads at 1 greedy sequence, 792 at 8 sampled; 692 and 2,105 ops at 1
+    and 8 greedy)."""
+    shape = TreeShape(max_depth=4, branching=2, width=4)
+    proposer = DraftModelProposer(FlatModel(tiny_draft), shape, sample_support=8)
+    for temperature in (0.0, 0.8):
+        one, eight = (_drafter_counts(proposer, b, temperature, 14) for b in (1, 8))
+        for counts in (one, eight):
+            assert counts["syncs"] == shape.max_depth, (temperature, counts)
+            assert counts["host_copies"] <= shape.max_depth, (temperature, counts)
+        assert eight["ops"] <= 1.25 * one["ops"], (temperature, one["ops"], eight["ops"])

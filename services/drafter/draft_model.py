@@ -13,12 +13,14 @@ import heapq
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..common import models
 from ..common.proposers.base import DraftJob, Proposer, TreeShape, shape_of
 from ..common.settings import ConfigError, DrafterSettings, ModelRef
 from ..common.tree import DraftTree
+from ..engine.batch import to_device
 from ..engine.flat_model import CompileFailed, FlatModel, Segment, SequenceKV
 from .metrics import COMPILED_GRAPHS
 
@@ -77,25 +79,70 @@ class DraftModelProposer(Proposer):
             return [DraftTree() for _ in asked]
         root_logits = self.model.forward([self._sync(job) for job in jobs])
         growths = []
-        for job, logits in zip(jobs, root_logits, strict=True):
+        for job in jobs:
             gen = None
             if job.temperature > 0:
                 gen = torch.Generator().manual_seed(job.seed)
-            growth = _Growth(job, DraftTree(), [], {}, [-1], gen)
-            self._expand(growth, {-1: logits[-1]})
-            growths.append(growth)
+            growths.append(_Growth(job, DraftTree(), [], {}, [-1], gen))
+        self._grow(growths, [logits[-1:] for logits in root_logits])
         for _ in range(1, self.shape.max_depth):
             active = [g for g in growths if g.frontier and len(g.tree) < g.job.budget]
             if not active:
                 break
-            logits = self.model.forward([self._frontier_segment(g) for g in active])
-            for g, rows in zip(active, logits, strict=True):
-                self._expand(g, dict(zip(g.frontier, rows, strict=True)))
+            self._grow(active, self.model.forward([self._frontier_segment(g) for g in active]))
         for job in jobs:  # drop the tree's KV entries: rollback is a length
             state = self.states[job.seq_id]
             state.kv.truncate(len(state.tokens))
         by_id = {g.job.seq_id: g.tree for g in growths}
         return [by_id.get(j.seq_id, DraftTree()) for j in asked]
+
+    def _grow(self, growths: list[_Growth], logits: list[torch.Tensor]) -> None:
+        """One level: each growth's frontier rows of logits ([frontier, vocab] each) become
+        its children, from one read of every row's choices."""
+        rows = logits[0] if len(logits) == 1 else torch.cat(logits)
+        choices = iter(self._choices(rows, growths))
+        for g in growths:
+            self._expand(g, {node: next(choices) for node in g.frontier})
+
+    def _choices(self, rows: torch.Tensor, growths: list[_Growth]) -> list[_Choice]:
+        """Each frontier row's candidate children, read from the device in one copy: a greedy
+        row's `branching` most likely tokens; a sampled row's draft distribution q (its
+        support) and the order of its Gumbel-top-k draws (uniforms from the job's generator,
+        its rows in frontier order)."""
+        kinds = [g.job.temperature > 0 for g in growths for _ in g.frontier]
+        sampled = [i for i, s in enumerate(kinds) if s]
+        greedy = [i for i, s in enumerate(kinds) if not s]
+        parts = []  # [row, k] tensors, read together
+        if greedy:
+            picked = rows if not sampled else rows[to_device(np.array(greedy), rows.device)]
+            top = torch.topk(torch.log_softmax(picked.float(), dim=-1), self.shape.branching)
+            parts += [top.indices, top.values]
+        if sampled:
+            picked = rows if not greedy else rows[to_device(np.array(sampled), rows.device)]
+            drawing = [g for g in growths if g.job.temperature > 0]
+            temps = [g.job.temperature for g in drawing for _ in g.frontier]
+            temps = to_device(np.array(temps, np.float32), rows.device)
+            top = torch.topk(picked.float() / temps[:, None], self.sample_support)
+            probs = torch.softmax(top.values, dim=-1)  # [rows, support]
+            uniforms = torch.cat(
+                [
+                    torch.rand((len(g.frontier), probs.shape[1]), generator=g.generator)
+                    for g in drawing
+                ]
+            )
+            order = gumbel_order(probs, self.shape.branching, to_device(uniforms, rows.device))
+            parts += [top.indices, probs, order]
+        host = read_together(parts)
+        out: list[_Choice | None] = [None] * len(kinds)
+        if greedy:
+            ids, logps = host[:2]
+            for row, i in enumerate(greedy):
+                out[i] = _Choice(ids[row], [math.exp(v) for v in logps[row]])
+        if sampled:
+            ids, probs, order = host[-3:]
+            for row, i in enumerate(sampled):
+                out[i] = _Choice(ids[row], probs[row], order[row])
+        return out
 
     def _sync(self, job: DraftJob) -> Segment:
         """Rolls the draft cache back to what it shares with the history; feeds the rest."""
@@ -114,7 +161,7 @@ class DraftModelProposer(Proposer):
         committed = len(self.states[g.job.seq_id].tokens)
         fed = kv.length - committed
         n = len(g.frontier)
-        mask = torch.zeros(n, fed + n, dtype=torch.bool)  # over the entries after the prefix
+        mask = np.zeros((n, fed + n), dtype=bool)  # over the entries after the prefix
         depths = g.tree.depths()
         for row, node in enumerate(g.frontier):
             mask[row, fed + row] = True
@@ -132,7 +179,7 @@ class DraftModelProposer(Proposer):
             logits_from=0,
         )
 
-    def _expand(self, g: _Growth, logits_of: dict[int, torch.Tensor]) -> None:
+    def _expand(self, g: _Growth, choice_of: dict[int, _Choice]) -> None:
         """Adds children of the frontier nodes; picks the next frontier."""
         job, shape = g.job, self.shape
         room = job.budget - len(g.tree)
@@ -140,15 +187,12 @@ class DraftModelProposer(Proposer):
         groups = []  # per frontier node: [(score, token, parent)]
         for node in g.frontier:
             base = parent_score[node]
-            if job.temperature > 0:
-                ids, probs = self._draft_dist(logits_of[node], job.temperature)
-                g.tree.dists[node] = (ids.tolist(), probs.tolist())
-                order = _gumbel_top_k(probs, shape.branching, g.generator)
-                picks = [(int(ids[i]), float(probs[i])) for i in order]
+            choice = choice_of[node]
+            if choice.order is not None:
+                g.tree.dists[node] = (choice.ids, choice.probs)
+                picks = [(choice.ids[i], choice.probs[i]) for i in choice.order]
             else:
-                logp = torch.log_softmax(logits_of[node], dim=-1)
-                top = torch.topk(logp, shape.branching)
-                picks = [(int(t), math.exp(float(v))) for v, t in zip(*top, strict=True)]
+                picks = list(zip(choice.ids, choice.probs, strict=True))
             groups.append([(base + math.log(max(p, 1e-30)), t, node) for t, p in picks])
         if job.temperature > 0:
             # Whole groups in frontier order: a node's children must be a prefix of its draws
@@ -175,21 +219,46 @@ class DraftModelProposer(Proposer):
             return -math.inf
         return math.log(self.shape.min_path_prob)
 
-    def _draft_dist(self, logits: torch.Tensor, temperature: float):
-        """q: softmax(logits / T) over the top `sample_support` tokens, renormalised."""
-        top = torch.topk(logits.float() / temperature, self.sample_support)
-        return top.indices.cpu(), torch.softmax(top.values, dim=-1).cpu()
+
+@dataclass
+class _Choice:
+    """A frontier node's candidate children, on the host."""
+
+    ids: list[int]  # [k] token ids, most likely first
+    probs: list[float]  # [k] their draft probabilities (sampled: q over its support)
+    order: list[int] | None = None  # sampled: the children, drawn from q (indices into ids)
 
 
-def _gumbel_top_k(probs: torch.Tensor, k: int, generator) -> list[int]:
-    """Indices of k draws without replacement from probs, in draw order (Gumbel-top-k).
+def read_together(tensors: list[torch.Tensor]) -> list[list]:
+    """Several [rows, k] tensors read from their device in one copy (float64 holds token ids
+    and float32 values exactly); each comes back as its nested lists, ids as ints."""
+    flat = torch.cat([t.reshape(-1).double() for t in tensors]).tolist()
+    out, at = [], 0
+    for t in tensors:
+        rows, k = t.shape
+        values = flat[at : at + rows * k]
+        if not t.is_floating_point():
+            values = [int(v) for v in values]
+        out.append([values[r * k : (r + 1) * k] for r in range(rows)])
+        at += rows * k
+    return out
+
+
+def gumbel_order(probs: torch.Tensor, k: int, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs, uniforms [rows, n] -> [rows, min(k, n)]: each row's k draws without replacement
+    from its probs, in draw order (Gumbel-top-k over the uniforms given).
 
     Always k of them: where fewer than k tokens have any probability, the rest are tokens
     of probability 0, which the verifier's acceptance skips. The count so never depends on
     the distribution, and through it on earlier draws."""
-    u = torch.rand(probs.shape, generator=generator).clamp_(1e-20, 1.0)
-    keys = torch.log(probs) - torch.log(-torch.log(u))
-    return torch.topk(keys, min(k, len(probs))).indices.tolist()
+    keys = torch.log(probs) - torch.log(-torch.log(uniforms.clamp(1e-20, 1.0)))
+    return torch.topk(keys, min(k, probs.shape[-1])).indices
+
+
+def _gumbel_top_k(probs: torch.Tensor, k: int, generator) -> list[int]:
+    """One distribution's k draws in draw order (gumbel_order), from `generator`."""
+    uniforms = torch.rand(probs.shape, generator=generator)
+    return gumbel_order(probs[None], k, uniforms[None])[0].tolist()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

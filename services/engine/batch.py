@@ -97,11 +97,13 @@ def place(segments: list[Segment]) -> list[Placed]:
     return placed
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(array: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host array on `device` in one non-blocking copy: from pinned memory on CUDA (torch's
     caching host allocator reuses a pinned block only once the copies out of it are done); on
     the CPU the array itself."""
-    host = torch.from_numpy(np.ascontiguousarray(array))
+    host = (
+        array if isinstance(array, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(array))
+    )
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
