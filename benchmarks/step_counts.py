@@ -14,7 +14,9 @@ prompts (--context tokens) prefilled and one step taken, then one Engine.step wi
   `device=`) and blocking `.to(device)` calls: each a host-to-device copy on a GPU (a
   tensor made on the host and kept there is not one);
 - ops: ATen ops dispatched, and of them those that allocate (every op but views and in-place
-  ones).
+  ones);
+- step_ms, host_ms: medians of five more steps' wall time and of their part outside the
+  model's pass (plan, layout, selection, commit, emit; `host_time`).
 Writes <out>/step_counts.json (merged under --label).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -214,7 +217,38 @@ def count_step(model, redis_url: str, batch: int, nodes: int, context: int, samp
     assert len(engine.running) == batch, "a sequence ended before the counted step"
     with StepCounter() as counter:
         engine.step()
-    return counter.summary()
+    return counter.summary() | host_time(engine, flat)
+
+
+def host_time(engine, flat, steps: int = 5) -> dict[str, float]:
+    """Median over `steps` steps of a step's wall time and of its part outside the model's
+    pass (`FlatModel.run`: on the CPU the compute itself): plan, layout, selection, commit
+    and emit, with selection's device work included (so an upper bound of the host's part)."""
+    inside = [0.0]
+    run = flat.run
+
+    def timed_run(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - started
+
+    flat.run = timed_run
+    walls, hosts = [], []
+    try:
+        for _ in range(steps):
+            inside[0] = 0.0
+            started = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - started)
+            hosts.append(walls[-1] - inside[0])
+    finally:
+        del flat.run
+    return {
+        "step_ms": round(1000 * statistics.median(walls), 2),
+        "host_ms": round(1000 * statistics.median(hosts), 2),
+    }
 
 
 def main() -> None:

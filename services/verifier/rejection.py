@@ -11,10 +11,10 @@ of its own, drawn up front from its sequence's generator (one per child rank).
 Vectorised: target_probs over the parent rows (one call for all sequences that share their
 sampling parameters), the p/q ratios of a rank for every parent (one gather), the residual
 update (a scatter over the draft distribution's support, or over the child's token for a
-point mass), the choice of child. Sequential: the loop over sibling rank; the random draws
-(one call per sequence: each has its own generator); and the bonus draw, which waits for the
-path, as only then is its row known (drawing at every row instead would cost a vocabulary of
-exponentials per row, a lot on a CPU).
+point mass, on p kept unnormalised: no pass over the vocabulary per rank), the choice of
+child. Sequential: the loop over sibling rank; the random draws (one call per sequence: each
+has its own generator); and the bonus draw, which waits for the path, as only then is its
+row known (one uniform a sequence, by inverse CDF).
 """
 
 from __future__ import annotations
@@ -105,13 +105,14 @@ class Decision:
     group: list[Candidates]
     parents: Parents
     chosen: torch.Tensor  # [nodes] bool: the child each parent accepts (at most one each)
-    residual: torch.Tensor  # [parents, vocab]: each parent's p after all its children
+    residual: torch.Tensor  # [parents, vocab]: each parent's p after all its children, unnormalised
 
     def bonus(self, ends: list[int]) -> list[int]:
         """The bonus token of each sequence whose walk ended at node ends[s] (-1: the root):
-        drawn from that node's residual if it has children, else from p at its row. The
-        draw is torch.multinomial's for one sample (an exponential race), without its checks,
-        which read values back to the host; the tokens come back in one transfer."""
+        drawn from that node's residual if it has children, else from p at its row, by
+        inverse CDF with one uniform from the sequence's generator (exact for weights that
+        need not sum to 1: the residual is kept unnormalised); the tokens come back in one
+        transfer."""
         parents = zip(self.parents.seq, self.parents.node, strict=True)
         index = {key: j for j, key in enumerate(parents)}  # (sequence, node) -> parent
         at = [index.get((s, end)) for s, end in enumerate(ends)]
@@ -121,11 +122,24 @@ class Decision:
             if j is None
         ]
         leaf_probs = iter(probs(leaves).unbind() if leaves else ())
-        p = torch.stack([self.residual[j] if j is not None else next(leaf_probs) for j in at])
-        noise = torch.empty_like(p)  # [seqs, vocab]
-        for row, c in zip(noise, self.group, strict=True):
-            row.exponential_(generator=c.generator)
-        return (p / noise).argmax(-1).tolist()
+        weights = torch.stack(
+            [self.residual[j] if j is not None else next(leaf_probs) for j in at]
+        )  # [seqs, vocab]
+        device = weights.device
+        u = torch.cat([torch.rand(1, generator=c.generator, device=device) for c in self.group])
+        return inverse_cdf(weights, u).tolist()
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """weights [rows, vocab] (non-negative, any sum), u [rows] uniform in [0, 1) -> [rows]:
+    each row's token i with probability weights[i] / sum: the first whose cumulative weight
+    exceeds u * sum. Never a token of weight 0: a cumulative sum of non-negative numbers only
+    rises at a token with weight, and the index is kept at or below the last such token (the
+    first maximum of the sums) should rounding put u * sum at the total."""
+    cumulative = weights.cumsum(-1)  # [rows, vocab]
+    target = u[:, None] * cumulative[:, -1:]  # [rows, 1]
+    token = torch.searchsorted(cumulative, target, right=True)[:, 0]
+    return torch.minimum(token, cumulative.argmax(-1))
 
 
 def decide(group: list[Candidates]) -> Decision:
@@ -176,8 +190,14 @@ def siblings(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sibling recursion of every parent at once. Returns passed [parents, width] (the
     i-th child passed its test, given that its elder siblings failed theirs) and each
-    parent's p after all its children [parents, vocab]."""
+    parent's p after all its children, unnormalised [parents, vocab].
+
+    p is kept as weights and their sum (`norm`): a rejection takes min(p, q_i) off the
+    columns of q_i's support alone (p - min(p, q_i) is max(0, p - q_i) there and p elsewhere)
+    and lowers the sum by what it took, so a rank costs a few [parents, support] operations,
+    not passes over the vocabulary; p is overwritten."""
     q, has_dist = parents.q, parents.has_dist  # [parents, support], [parents, 1]
+    norm = p.sum(1, keepdim=True)  # [parents, 1]: p's weights sum to it
     point = torch.zeros_like(q)
     point[:, 0] = 1.0  # a point mass on the child's token, for parents without a q
     passed = []
@@ -190,11 +210,12 @@ def siblings(
         tried = parents.live[:, i : i + 1] & (~has_dist | ((q_x > 0) & (total > _EPS)))
         q_i = torch.where(has_dist, q / total.clamp_min(_EPS), point)  # [parents, support]
         q_ix = torch.where(has_dist, q_x / total.clamp_min(_EPS), 1.0)  # [parents, 1]
-        passed.append(tried & (u[:, i : i + 1] * q_ix < p.gather(1, x)))  # u < p/q
+        passed.append(tried & (u[:, i : i + 1] * q_ix * norm < p.gather(1, x)))  # u < p/q
         ids = torch.where(has_dist, parents.support, x)  # [parents, support]
-        # max(0, p - q_i) on q_i's support: p - min(p, q_i), the same numbers.
-        residual = p.scatter_add(1, ids, -torch.minimum(p.gather(1, ids), q_i))
-        mass = residual.sum(1, keepdim=True)  # [parents, 1]
-        p = torch.where(tried & (mass > _EPS), residual / mass, p)
+        taken = torch.minimum(p.gather(1, ids), q_i * norm)  # [parents, support], in weights
+        left = norm - taken.sum(1, keepdim=True)  # [parents, 1]
+        update = tried & (left > _EPS * norm)  # (the residual's mass, left / norm > EPS)
+        p.scatter_add_(1, ids, torch.where(update, -taken, 0.0))
+        norm = torch.where(update, left, norm)
         q = torch.where(hit & tried & has_dist, 0.0, q)  # drawn without replacement
     return torch.cat(passed, 1), p
