@@ -14,7 +14,8 @@ when the whole run is killed.
                build/gpu-check/bundle.tgz (benchmarks/gpu_bundle.py)
   environment  versions, the device, the services' imports, the settings' device check
   tests        the tests whose models run on the device (SPECSERVE_TEST_DEVICE): tree attention
-               against HF, the KV pool, the compiled forward, speculative output = HF generate,
+               against HF, the KV pool, the compiled forward, the device reads and copies of
+               a verifier and a drafter step, speculative output = HF generate,
                the engine step, acceptance and sampling statistics, the cluster with
                speculation and batching; the default pair against HF where its weights are
   models       the benchmarks' models: random-weight stand-ins of the catalog's shapes where
@@ -51,6 +52,7 @@ TESTS = [
     "tests/test_tree_attention.py",
     "tests/test_kv_cache.py",
     "tests/test_compile.py",
+    "tests/test_step_counts.py",
     "tests/test_speculative.py",
     "tests/test_engine.py",
     "tests/test_acceptance.py",

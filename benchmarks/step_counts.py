@@ -191,6 +191,7 @@ def count_step(model, redis_url: str, batch: int, nodes: int, context: int, samp
         eos_ids=set(),
         decode=lambda ids: "",
         verifier_id="counted",
+        async_writes=True,  # (as the verifier runs by default: a step's write travels)
     )
     params = SamplingParams(temperature=0.8, seed=1) if sampled else SamplingParams()
     for i in range(batch):
@@ -284,7 +285,7 @@ def main() -> None:
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "configuration": "36M proxy of the default target (28 layers, 12/2 heads, hidden "
         f"192), float32, CPU, eager; {args.nodes}-node model-free trees, {args.context}-token "
-        "prompts; one Engine.step after prefill and one decoding step",
+        "prompts; one Engine.step after prefill and one decoding step; Redis writes asynchronous",
         "rows": rows,
     }
     path.parent.mkdir(parents=True, exist_ok=True)

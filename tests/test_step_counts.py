@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.step_counts import StepCounter, count_step
+from conftest import DEVICE
 from specserve.common import models
 from specserve.common.proposers.base import DraftJob, TreeShape
 from specserve.drafter.draft_model import DraftModelProposer
@@ -44,7 +45,7 @@ def test_the_counter_counts_reads_copies_and_ops():
 
 
 def test_the_counter_sees_a_real_engine_step(tiny_model_dir, tmp_path):
-    model = models.load_model(tiny_model_dir, "cpu", "float32")
+    model = models.load_model(tiny_model_dir, DEVICE, "float32")
     redis = LocalCluster({}, tmp_path)
     try:
         url = redis.start_redis()
@@ -60,7 +61,7 @@ def test_the_counter_sees_a_real_engine_step(tiny_model_dir, tmp_path):
 def test_a_steps_syncs_and_host_copies_do_not_grow_with_its_batch(tiny_model_dir, tmp_path):
     """What crosses between host and device per step is per step, not per sequence (each
     sequence's tree mask once took a copy of its own)."""
-    model = models.load_model(tiny_model_dir, "cpu", "float32")
+    model = models.load_model(tiny_model_dir, DEVICE, "float32")
     redis = LocalCluster({}, tmp_path)
     try:
         url = redis.start_redis()
@@ -83,7 +84,7 @@ def test_a_step_reads_its_results_once_greedy_and_twice_sampled_at_any_batch(
     (the step buffer's one copy is non-blocking; rotary positions are a table lookup), at
     batch 1, 8 and 64 with 8-node trees; a greedy step's ATen
     ops the same at batch 8 and 64 (its layout is numpy, no torch op per sequence)."""
-    model = models.load_model(tiny_model_dir, "cpu", "float32")
+    model = models.load_model(tiny_model_dir, DEVICE, "float32")
     redis = LocalCluster({}, tmp_path)
     try:
         url = redis.start_redis()
