@@ -1,6 +1,7 @@
 """What one verifier step asks of the host, counted rather than timed.
 
     python -m benchmarks.step_counts [--batches 1,8,64] [--nodes 8] [--context 256]
+    python -m benchmarks.step_counts --save-proxy DIR    (the proxy as a model directory)
 
 The 36M proxy of the default target (its layout: 28 layers, 12 query and 2 KV heads, its
 vocabulary, tied embeddings; hidden size 192, intermediate 256, random weights), float32 on
@@ -133,6 +134,18 @@ def proxy_model(vocab_size: int):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+def save_proxy(path: Path) -> None:
+    """The proxy model and the default target's tokenizer, saved as a model directory."""
+    from specserve.common import models
+    from specserve.common.settings import VerifierSettings
+
+    settings = VerifierSettings()
+    target, _ = models.resolve(settings.model, settings.model_cache_dir)
+    proxy_model(151_936).save_pretrained(path)
+    models.load_tokenizer(target).save_pretrained(path)
+    print(f"proxy model at {path}")
+
+
 class FixedTrees:
     """A speculator whose every decoding sequence gets the same shape of model-free tree:
     a chain of half the nodes, and the rest as siblings along it."""
@@ -259,7 +272,16 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
     p.add_argument("--label", default="main", help="the results' key (e.g. before, after)")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument(
+        "--save-proxy",
+        metavar="DIR",
+        help="only write the proxy model (with the default target's tokenizer) to DIR, for "
+        "`python -m benchmarks.engine --parts tiny,batch --dtype float32 --target DIR --tiny DIR`",
+    )
     args = p.parse_args()
+    if args.save_proxy:
+        save_proxy(Path(args.save_proxy))
+        return
     from specserve.local_cluster import LocalCluster
 
     torch.set_num_threads(2)
