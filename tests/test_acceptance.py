@@ -11,7 +11,7 @@ import torch
 from conftest import DEVICE
 from reference_acceptance import walk
 from specserve.common.tree import DraftTree
-from specserve.drafter.draft_model import _gumbel_top_k
+from specserve.drafter.draft_model import gumbel_order
 from specserve.verifier.acceptance import Candidates, Verdict, accept, select
 from specserve.verifier.sampling import SamplingParams, target_probs
 
@@ -184,9 +184,15 @@ def chi_square(counts: torch.Tensor, p: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
+def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
+    """One distribution's k draws in draw order, as the draft model draws them."""
+    uniforms = torch.rand(probs.shape, generator=generator)
+    return gumbel_order(probs[None], k, uniforms[None])[0].tolist()
+
+
 def sampled_tree(gen: torch.Generator, siblings: int, with_dist: bool) -> DraftTree:
     tree = DraftTree()
-    for token in _gumbel_top_k(Q, siblings, gen):
+    for token in gumbel_top_k(Q, siblings, gen):
         tree.add(token, -1)
     if with_dist:
         tree.dists[-1] = (list(range(V)), Q.tolist())
@@ -251,9 +257,9 @@ def two_level_tree(gen: torch.Generator) -> DraftTree:
     the first two, deterministic (point masses) under the third."""
     tree = DraftTree()
     tree.dists[-1] = (list(range(V)), Q.tolist())
-    for rank, token in enumerate(_gumbel_top_k(Q, 3, gen)):
+    for rank, token in enumerate(gumbel_top_k(Q, 3, gen)):
         node = tree.add(token, -1)
-        for child in _gumbel_top_k(Q, 2, gen):
+        for child in gumbel_top_k(Q, 2, gen):
             tree.add(child, node)
         if rank < 2:
             tree.dists[node] = (list(range(V)), Q.tolist())

@@ -166,6 +166,24 @@ def test_chain_draft_of_the_target_itself_is_its_greedy_continuation(tiny_model)
     assert tree.token_ids == hf_greedy(tiny_model, PROMPTS[0], 6)
 
 
+def test_chains_of_a_batch_match_greedy_continuations_and_the_tree_growth(tiny_draft):
+    """Greedy chains are drafted level by level on the device (one read at the end): each is
+    its sequence's greedy continuation as long as its budget, and with a min_path_prob stop
+    the same trees the level-by-level tree growth gives."""
+    budgets = (6, 2, 4)
+    jobs = [DraftJob(f"s{i}", PROMPTS[i], b) for i, b in enumerate(budgets)]
+    chains = draft_model_proposer(tiny_draft, SHAPES["chain"]).propose(jobs)
+    for tree, job in zip(chains, jobs, strict=True):
+        assert tree.parents == list(range(-1, job.budget - 1))
+        assert tree.token_ids == hf_greedy(tiny_draft, job.tokens, job.budget)
+    shape = TreeShape(max_depth=6, branching=1, width=1, min_path_prob=0.2)
+    chains = draft_model_proposer(tiny_draft, shape).propose(jobs)
+    grower = draft_model_proposer(tiny_draft, shape)
+    roots = grower.model.forward([grower._sync(job) for job in jobs])
+    trees = grower._trees(jobs, [logits[-1:] for logits in roots])
+    assert [(t.token_ids, t.parents) for t in chains] == [(t.token_ids, t.parents) for t in trees]
+
+
 def test_sampled_trees_carry_the_distribution_their_children_came_from(tiny_model):
     prop = draft_model_proposer(tiny_model, SHAPES["tree"])
     (tree,) = prop.propose([DraftJob("s", PROMPTS[2], 12, temperature=0.8, seed=3)])

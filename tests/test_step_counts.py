@@ -130,3 +130,14 @@ def test_a_draft_model_reads_the_device_once_a_level_at_any_batch(tiny_draft):
             assert counts["syncs"] == shape.max_depth, (temperature, counts)
             assert counts["host_copies"] <= shape.max_depth, (temperature, counts)
         assert eight["ops"] <= 1.25 * one["ops"], (temperature, one["ops"], eight["ops"])
+
+
+def test_a_greedy_draft_model_chain_reads_the_device_once(tiny_draft):
+    """A greedy chain feeds each level's argmax to the next pass on the device: one read for
+    the whole chain of depth 4, at 1 and 8 sequences."""
+    shape = TreeShape(max_depth=4, branching=1, width=1)
+    proposer = DraftModelProposer(FlatModel(tiny_draft), shape)
+    for batch in (1, 8):
+        counts = _drafter_counts(proposer, batch, 0.0, shape.max_depth)
+        assert counts["syncs"] == 1, (batch, counts)
+        assert counts["host_copies"] == 0, (batch, counts)

@@ -78,23 +78,67 @@ class DraftModelProposer(Proposer):
         if not jobs:
             return [DraftTree() for _ in asked]
         root_logits = self.model.forward([self._sync(job) for job in jobs])
+        rows = [logits[-1:] for logits in root_logits]  # [1, vocab] each
+        if self.shape.branching == 1 and all(job.temperature <= 0 for job in jobs):
+            trees = self._chains(jobs, rows)
+        else:
+            trees = self._trees(jobs, rows)
+        for job in jobs:  # drop the tree's KV entries: rollback is a length
+            state = self.states[job.seq_id]
+            state.kv.truncate(len(state.tokens))
+        by_id = {job.seq_id: tree for job, tree in zip(jobs, trees, strict=True)}
+        return [by_id.get(j.seq_id, DraftTree()) for j in asked]
+
+    def _trees(self, jobs: list[DraftJob], rows: list[torch.Tensor]) -> list[DraftTree]:
+        """Grows each job's tree level by level from its root row; one read a level."""
         growths = []
         for job in jobs:
             gen = None
             if job.temperature > 0:
                 gen = torch.Generator().manual_seed(job.seed)
             growths.append(_Growth(job, DraftTree(), [], {}, [-1], gen))
-        self._grow(growths, [logits[-1:] for logits in root_logits])
+        self._grow(growths, rows)
         for _ in range(1, self.shape.max_depth):
             active = [g for g in growths if g.frontier and len(g.tree) < g.job.budget]
             if not active:
                 break
             self._grow(active, self.model.forward([self._frontier_segment(g) for g in active]))
-        for job in jobs:  # drop the tree's KV entries: rollback is a length
-            state = self.states[job.seq_id]
-            state.kv.truncate(len(state.tokens))
-        by_id = {g.job.seq_id: g.tree for g in growths}
-        return [by_id.get(j.seq_id, DraftTree()) for j in asked]
+        return [g.tree for g in growths]
+
+    def _chains(self, jobs: list[DraftJob], rows: list[torch.Tensor]) -> list[DraftTree]:
+        """Greedy chains (branching 1): each level's tokens are the argmax of the level
+        before, fed back on the device, so a chain of depth k is k - 1 forwards and one read
+        at the end, whatever the batch. A job's chain is as long as the depth and its budget
+        allow; the `min_path_prob` stop is applied after the read (levels past it were
+        computed and are dropped). The same trees as `_trees` grows with branching 1."""
+        lengths = [min(self.shape.max_depth, job.budget) for job in jobs]
+        rows = rows[0] if len(rows) == 1 else torch.cat(rows)  # [jobs, vocab]
+        active = list(range(len(jobs)))  # the jobs drafting this level, in order
+        levels = []  # per level: (active, [len(active), 2] tokens and log-probabilities)
+        for level in range(max(lengths)):
+            best = torch.log_softmax(rows.float(), dim=-1).max(dim=-1)
+            levels.append((active, torch.stack([best.indices.float(), best.values], dim=1)))
+            going = [at for at, i in enumerate(active) if lengths[i] > level + 1]
+            if not going:
+                break
+            ids = best.indices
+            if len(going) < len(active):
+                ids = ids[to_device(np.array(going), ids.device)]
+            active = [active[at] for at in going]
+            segments = [Segment(self.states[jobs[i].seq_id].kv, [0]) for i in active]
+            rows = torch.cat(self.model.forward(segments, input_ids=ids))
+        host = read_together([pairs for _, pairs in levels])
+        trees = [DraftTree() for _ in jobs]
+        scores = [0.0] * len(jobs)
+        floor = self._expansion_floor(jobs[0])
+        for (active, _), pairs in zip(levels, host, strict=True):
+            for i, (token, logp) in zip(active, pairs, strict=True):
+                tree = trees[i]
+                if tree and scores[i] < floor:
+                    continue  # (its last node was not worth expanding)
+                tree.add(int(token), len(tree) - 1)
+                scores[i] += math.log(max(math.exp(logp), 1e-30))
+        return trees
 
     def _grow(self, growths: list[_Growth], logits: list[torch.Tensor]) -> None:
         """One level: each growth's frontier rows of logits ([frontier, vocab] each) become
@@ -253,12 +297,6 @@ def gumbel_order(probs: torch.Tensor, k: int, uniforms: torch.Tensor) -> torch.T
     the distribution, and through it on earlier draws."""
     keys = torch.log(probs) - torch.log(-torch.log(uniforms.clamp(1e-20, 1.0)))
     return torch.topk(keys, min(k, probs.shape[-1])).indices
-
-
-def _gumbel_top_k(probs: torch.Tensor, k: int, generator) -> list[int]:
-    """One distribution's k draws in draw order (gumbel_order), from `generator`."""
-    uniforms = torch.rand(probs.shape, generator=generator)
-    return gumbel_order(probs[None], k, uniforms[None])[0].tolist()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

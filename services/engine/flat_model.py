@@ -193,16 +193,25 @@ class FlatModel:
         return SequenceKV(self.pool)
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment]) -> list[torch.Tensor]:
+    def forward(
+        self, segments: list[Segment], input_ids: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Logits (float32) for each segment's rows from logits_from on: [rows, vocab] each.
-        With shards, the other ranks run the same step; from the moment it is sent, any
-        failure (theirs or this rank's: the ranks would be out of step) raises ShardsLost."""
+        `input_ids` ([T] on the device, in segment order) replaces the segments' token ids,
+        which then only count the tokens: what a pass computed feeds the next without a read
+        (one rank only). With shards, the other ranks run the same step; from the moment it
+        is sent, any failure (theirs or this rank's: the ranks would be out of step) raises
+        ShardsLost."""
+        if input_ids is not None and self.shards is not None:
+            raise ValueError("token ids on the device are not sent to the other ranks")
         step = Step(place(segments), self.pool.take_moves())
         try:
             batch = Batch.of(step, self.device)  # (a layout error stops this step alone)
         except Exception:
             self.pool.put_back(step.moves)  # (the next pass makes them)
             raise
+        if input_ids is not None:
+            batch.input_ids = input_ids
         if self.shards is None:
             logits = self.run(step, batch)
         else:
