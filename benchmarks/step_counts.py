@@ -1,4 +1,4 @@
-"""What one verifier step asks of the host, counted rather than timed.
+"""What one verifier step and one drafter proposal ask of the host, counted rather than timed.
 
     python -m benchmarks.step_counts [--batches 1,8,64] [--nodes 8] [--context 256]
     python -m benchmarks.step_counts --save-proxy DIR    (the proxy as a model directory)
@@ -18,6 +18,8 @@ prompts (--context tokens) prefilled and one step taken, then one Engine.step wi
   ones);
 - step_ms, host_ms: medians of five more steps' wall time and of their part outside the
   model's pass (plan, layout, selection, commit, emit; `host_time`).
+The same counts for one draft-model proposal (the proxy as the draft model, `count_draft`):
+trees of depth 4, greedy and sampled, and a greedy chain.
 Writes <out>/step_counts.json (merged under --label).
 """
 
@@ -234,6 +236,34 @@ def count_step(model, redis_url: str, batch: int, nodes: int, context: int, samp
     return counter.summary() | host_time(engine, flat)
 
 
+def count_draft(model, batch: int, shape, temperature: float, context: int = 64) -> dict:
+    """One draft-model proposal of 16-node trees for `batch` sequences, counted (each
+    sequence's prompt drafted once before, so its KV is there, and two tokens accepted
+    since); with the fewest nodes a tree got."""
+    from specserve.common.proposers.base import DraftJob
+    from specserve.drafter.draft_model import DraftModelProposer
+    from specserve.engine.flat_model import FlatModel
+
+    proposer = DraftModelProposer(FlatModel(model), shape, sample_support=8)
+    vocab = model.config.vocab_size
+    jobs = [
+        DraftJob(
+            f"s{i}",
+            [(31 * i + 7 * t + 3) % vocab for t in range(context)],
+            budget=16,
+            temperature=temperature,
+            seed=i,
+        )
+        for i in range(batch)
+    ]
+    proposer.propose(jobs)
+    for job in jobs:
+        job.tokens = job.tokens + [7, 8]
+    with StepCounter() as counter:
+        trees = proposer.propose(jobs)
+    return counter.summary() | {"least_nodes": min(map(len, trees))}
+
+
 def host_time(engine, flat, steps: int = 5) -> dict[str, float]:
     """Median over `steps` steps of a step's wall time and of its part outside the model's
     pass (`FlatModel.run`: on the CPU the compute itself): plan, layout, selection, commit
@@ -299,6 +329,16 @@ def main() -> None:
                     rows.append(row)
         finally:
             redis.kill_redis()
+    from specserve.common.proposers.base import TreeShape
+
+    drafts = []
+    shapes = {"tree": TreeShape(4, 2, 4), "chain": TreeShape(4, 1, 1)}
+    for batch in map(int, args.batches.split(",")):
+        for name, temperature in (("tree", 0.0), ("tree", 0.8), ("chain", 0.0)):
+            counts = count_draft(model, batch, shapes[name], temperature)
+            row = {"drafter": name, "batch": batch, "sampled": temperature > 0, **counts}
+            print(json.dumps(row), flush=True)
+            drafts.append(row)
     path = Path(args.out) / "step_counts.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     results[args.label] = {
@@ -309,6 +349,9 @@ def main() -> None:
         f"192), float32, CPU, eager; {args.nodes}-node model-free trees, {args.context}-token "
         "prompts; one Engine.step after prefill and one decoding step; Redis writes asynchronous",
         "rows": rows,
+        "drafter": "the same model as a draft model: one proposal of 16-node trees, depth 4 "
+        "(tree: branching 2, width 4; chain: branching 1), 64-token prompts",
+        "drafter_rows": drafts,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")

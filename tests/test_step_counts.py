@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.step_counts import StepCounter, count_step
+from benchmarks.step_counts import StepCounter, count_draft, count_step
 from conftest import DEVICE
 from specserve.common import models
-from specserve.common.proposers.base import DraftJob, TreeShape
-from specserve.drafter.draft_model import DraftModelProposer
-from specserve.engine.flat_model import FlatModel
+from specserve.common.proposers.base import TreeShape
 from specserve.local_cluster import LocalCluster
 
 
@@ -102,20 +100,6 @@ def test_a_step_reads_its_results_once_greedy_and_twice_sampled_at_any_batch(
         redis.kill_redis()
 
 
-def _drafter_counts(proposer, batch: int, temperature: float, shape_nodes: int) -> dict:
-    jobs = [
-        DraftJob(f"s{i}", list(range(3 + i, 40 + i)), budget=16, temperature=temperature, seed=i)
-        for i in range(batch)
-    ]
-    proposer.propose(jobs)  # (the prompts' KV; the counted step drafts on it)
-    for job in jobs:
-        job.tokens = job.tokens + [7, 8]
-    with StepCounter() as c:
-        trees = proposer.propose(jobs)
-    assert all(len(t) >= shape_nodes for t in trees), [len(t) for t in trees]
-    return c.counts
-
-
 def test_a_draft_model_reads_the_device_once_a_level_at_any_batch(tiny_draft):
     """A draft-model tree of depth 4 (branching 2, width 4: 14 nodes or more) reads its choices from
     the device once per level for the whole batch, greedy or sampled, at 1 and 8 sequences;
@@ -123,12 +107,12 @@ def test_a_draft_model_reads_the_device_once_a_level_at_any_batch(tiny_draft):
     choices apart: 44 reads at 1 greedy sequence, 792 at 8 sampled; 692 and 2,105 ops at 1
     and 8 greedy)."""
     shape = TreeShape(max_depth=4, branching=2, width=4)
-    proposer = DraftModelProposer(FlatModel(tiny_draft), shape, sample_support=8)
     for temperature in (0.0, 0.8):
-        one, eight = (_drafter_counts(proposer, b, temperature, 14) for b in (1, 8))
+        one, eight = (count_draft(tiny_draft, b, shape, temperature) for b in (1, 8))
         for counts in (one, eight):
+            assert counts["least_nodes"] >= 14, (temperature, counts)
             assert counts["syncs"] == shape.max_depth, (temperature, counts)
-            assert counts["host_copies"] <= shape.max_depth, (temperature, counts)
+            assert counts["host_copies"] == 0, (temperature, counts)
         assert eight["ops"] <= 1.25 * one["ops"], (temperature, one["ops"], eight["ops"])
 
 
@@ -136,8 +120,8 @@ def test_a_greedy_draft_model_chain_reads_the_device_once(tiny_draft):
     """A greedy chain feeds each level's argmax to the next pass on the device: one read for
     the whole chain of depth 4, at 1 and 8 sequences."""
     shape = TreeShape(max_depth=4, branching=1, width=1)
-    proposer = DraftModelProposer(FlatModel(tiny_draft), shape)
     for batch in (1, 8):
-        counts = _drafter_counts(proposer, batch, 0.0, shape.max_depth)
+        counts = count_draft(tiny_draft, batch, shape, 0.0)
+        assert counts["least_nodes"] == shape.max_depth, (batch, counts)
         assert counts["syncs"] == 1, (batch, counts)
         assert counts["host_copies"] == 0, (batch, counts)
