@@ -19,7 +19,7 @@ prompts (--context tokens) prefilled and one step taken, then one Engine.step wi
 - step_ms, host_ms: medians of five more steps' wall time and of their part outside the
   model's pass (plan, layout, selection, commit, emit; `host_time`).
 The same counts for one draft-model proposal (the proxy as the draft model, `count_draft`):
-trees of depth 4, greedy and sampled, and a greedy chain.
+trees and chains of depth 4, greedy and sampled.
 Writes <out>/step_counts.json (merged under --label).
 """
 
@@ -334,7 +334,7 @@ def main() -> None:
     drafts = []
     shapes = {"tree": TreeShape(4, 2, 4), "chain": TreeShape(4, 1, 1)}
     for batch in map(int, args.batches.split(",")):
-        for name, temperature in (("tree", 0.0), ("tree", 0.8), ("chain", 0.0)):
+        for name, temperature in (("tree", 0.0), ("tree", 0.8), ("chain", 0.0), ("chain", 0.8)):
             counts = count_draft(model, batch, shapes[name], temperature)
             row = {"drafter": name, "batch": batch, "sampled": temperature > 0, **counts}
             print(json.dumps(row), flush=True)

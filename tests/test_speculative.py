@@ -167,9 +167,9 @@ def test_chain_draft_of_the_target_itself_is_its_greedy_continuation(tiny_model)
 
 
 def test_chains_of_a_batch_match_greedy_continuations_and_the_tree_growth(tiny_draft):
-    """Greedy chains are drafted level by level on the device (one read at the end): each is
-    its sequence's greedy continuation as long as its budget, and with a min_path_prob stop
-    the same trees the level-by-level tree growth gives."""
+    """Chains are drafted level by level on the device (one read at the end): a greedy one is
+    its sequence's greedy continuation as long as its budget; with a min_path_prob stop, and
+    sampled ones beside them, the same trees (draws and q included) as the tree growth."""
     budgets = (6, 2, 4)
     jobs = [DraftJob(f"s{i}", PROMPTS[i], b) for i, b in enumerate(budgets)]
     chains = draft_model_proposer(tiny_draft, SHAPES["chain"]).propose(jobs)
@@ -177,11 +177,20 @@ def test_chains_of_a_batch_match_greedy_continuations_and_the_tree_growth(tiny_d
         assert tree.parents == list(range(-1, job.budget - 1))
         assert tree.token_ids == hf_greedy(tiny_draft, job.tokens, job.budget)
     shape = TreeShape(max_depth=6, branching=1, width=1, min_path_prob=0.2)
-    chains = draft_model_proposer(tiny_draft, shape).propose(jobs)
-    grower = draft_model_proposer(tiny_draft, shape)
-    roots = grower.model.forward([grower._sync(job) for job in jobs])
-    trees = grower._trees(jobs, [logits[-1:] for logits in roots])
-    assert [(t.token_ids, t.parents) for t in chains] == [(t.token_ids, t.parents) for t in trees]
+    sampled = [DraftJob(f"t{i}", PROMPTS[3 + i], 5, temperature=0.9, seed=i) for i in range(2)]
+    for batch in (jobs, jobs + sampled):
+        chains = draft_model_proposer(tiny_draft, shape).propose(batch)
+        grower = draft_model_proposer(tiny_draft, shape)
+        roots = grower.model.forward([grower._sync(job) for job in batch])
+        trees = grower._trees(batch, [logits[-1:] for logits in roots])
+        assert [(t.token_ids, t.parents) for t in chains] == [
+            (t.token_ids, t.parents) for t in trees
+        ]
+        for chain, tree in zip(chains, trees, strict=True):  # (q rounds with the batch's shape)
+            assert chain.dists.keys() == tree.dists.keys()
+            for node, (ids, probs) in chain.dists.items():
+                assert ids == tree.dists[node][0]
+                assert probs == pytest.approx(tree.dists[node][1], abs=1e-6)
 
 
 def test_sampled_trees_carry_the_distribution_their_children_came_from(tiny_model):

@@ -5,6 +5,8 @@ sees those of a real Engine.step (the figures of record come from the benchmark)
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from benchmarks.step_counts import StepCounter, count_draft, count_step
@@ -116,12 +118,12 @@ def test_a_draft_model_reads_the_device_once_a_level_at_any_batch(tiny_draft):
         assert eight["ops"] <= 1.25 * one["ops"], (temperature, one["ops"], eight["ops"])
 
 
-def test_a_greedy_draft_model_chain_reads_the_device_once(tiny_draft):
-    """A greedy chain feeds each level's argmax to the next pass on the device: one read for
-    the whole chain of depth 4, at 1 and 8 sequences."""
+def test_a_draft_model_chain_reads_the_device_once(tiny_draft):
+    """A chain feeds each level's tokens (argmax or draw) to the next pass on the device: one
+    read for the whole chain of depth 4, greedy or sampled, at 1 and 8 sequences."""
     shape = TreeShape(max_depth=4, branching=1, width=1)
-    for batch in (1, 8):
-        counts = count_draft(tiny_draft, batch, shape, 0.0)
-        assert counts["least_nodes"] == shape.max_depth, (batch, counts)
-        assert counts["syncs"] == 1, (batch, counts)
-        assert counts["host_copies"] == 0, (batch, counts)
+    for batch, temperature in itertools.product((1, 8), (0.0, 0.8)):
+        counts = count_draft(tiny_draft, batch, shape, temperature)
+        assert counts["least_nodes"] == shape.max_depth, (batch, temperature, counts)
+        assert counts["syncs"] == 1, (batch, temperature, counts)
+        assert counts["host_copies"] == 0, (batch, temperature, counts)

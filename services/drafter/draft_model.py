@@ -79,7 +79,7 @@ class DraftModelProposer(Proposer):
             return [DraftTree() for _ in asked]
         root_logits = self.model.forward([self._sync(job) for job in jobs])
         rows = [logits[-1:] for logits in root_logits]  # [1, vocab] each
-        if self.shape.branching == 1 and all(job.temperature <= 0 for job in jobs):
+        if self.shape.branching == 1:
             trees = self._chains(jobs, rows)
         else:
             trees = self._trees(jobs, rows)
@@ -106,39 +106,78 @@ class DraftModelProposer(Proposer):
         return [g.tree for g in growths]
 
     def _chains(self, jobs: list[DraftJob], rows: list[torch.Tensor]) -> list[DraftTree]:
-        """Greedy chains (branching 1): each level's tokens are the argmax of the level
-        before, fed back on the device, so a chain of depth k is k - 1 forwards and one read
-        at the end, whatever the batch. A job's chain is as long as the depth and its budget
-        allow; the `min_path_prob` stop is applied after the read (levels past it were
-        computed and are dropped). The same trees as `_trees` grows with branching 1."""
+        """Chains (branching 1): each level's tokens, the argmax of a greedy row or a draw
+        from a sampled row's q, are the next pass's input on the device, so a chain of depth
+        k is k - 1 forwards and one read at the end, whatever the batch. A job's chain is as
+        long as the depth and its budget allow; a greedy chain's `min_path_prob` stop
+        (`_expansion_floor`) is applied after the read (levels past it were computed and are
+        dropped). The same
+        trees, draws included, as `_trees` grows with branching 1 (q's probabilities equal up
+        to rounding, which varies with the batch's shape)."""
         lengths = [min(self.shape.max_depth, job.budget) for job in jobs]
+        gens = [
+            torch.Generator().manual_seed(job.seed) if job.temperature > 0 else None for job in jobs
+        ]
         rows = rows[0] if len(rows) == 1 else torch.cat(rows)  # [jobs, vocab]
         active = list(range(len(jobs)))  # the jobs drafting this level, in order
-        levels = []  # per level: (active, [len(active), 2] tokens and log-probabilities)
+        levels = []  # per level: (active, its tensors to read)
         for level in range(max(lengths)):
-            best = torch.log_softmax(rows.float(), dim=-1).max(dim=-1)
-            levels.append((active, torch.stack([best.indices.float(), best.values], dim=1)))
+            tokens, parts = self._chain_level(
+                rows, [jobs[i] for i in active], [gens[i] for i in active]
+            )
+            levels.append((active, parts))
             going = [at for at, i in enumerate(active) if lengths[i] > level + 1]
             if not going:
                 break
-            ids = best.indices
             if len(going) < len(active):
-                ids = ids[to_device(np.array(going), ids.device)]
+                tokens = tokens[to_device(np.array(going), tokens.device)]
             active = [active[at] for at in going]
             segments = [Segment(self.states[jobs[i].seq_id].kv, [0]) for i in active]
-            rows = torch.cat(self.model.forward(segments, input_ids=ids))
-        host = read_together([pairs for _, pairs in levels])
+            rows = torch.cat(self.model.forward(segments, input_ids=tokens))
+        host = read_together([part for _, parts in levels for part in parts])
         trees = [DraftTree() for _ in jobs]
         scores = [0.0] * len(jobs)
-        floor = self._expansion_floor(jobs[0])
-        for (active, _), pairs in zip(levels, host, strict=True):
-            for i, (token, logp) in zip(active, pairs, strict=True):
+        for active, parts in levels:
+            (picks, *dists), host = host[: len(parts)], host[len(parts) :]
+            ids, probs = dists or (None, None)  # (a level of greedy rows only reads picks)
+            for at, i in enumerate(active):
                 tree = trees[i]
-                if tree and scores[i] < floor:
-                    continue  # (its last node was not worth expanding)
-                tree.add(int(token), len(tree) - 1)
-                scores[i] += math.log(max(math.exp(logp), 1e-30))
+                if tree and scores[i] < self._expansion_floor(jobs[i]):
+                    continue  # (its last node is not expanded: the chain ended there)
+                if gens[i] is None:
+                    token, p = int(picks[at][0]), math.exp(picks[at][1])
+                else:
+                    drawn = int(picks[at][0])
+                    token, p = ids[at][drawn], probs[at][drawn]
+                    tree.dists[len(tree) - 1] = (ids[at], probs[at])
+                tree.add(token, len(tree) - 1)
+                scores[i] += math.log(max(p, 1e-30))
         return trees
+
+    def _chain_level(self, rows: torch.Tensor, jobs: list[DraftJob], gens: list):
+        """One chain level on the device: rows [jobs, vocab] -> each job's next token [jobs],
+        and what the host reads of it: [jobs, 2] picks (greedy: token and log-probability;
+        sampled: the drawn index into q's support) and, where a row is sampled, [jobs,
+        support] q's tokens and its probabilities."""
+        best = torch.log_softmax(rows.float(), dim=-1).max(dim=-1)
+        picks = torch.stack([best.indices.float(), best.values], dim=1)  # [jobs, 2]
+        support = min(self.sample_support, rows.shape[1])
+        if all(g is None for g in gens):
+            return best.indices, [picks]
+        temps = [job.temperature if job.temperature > 0 else 1.0 for job in jobs]
+        temps = to_device(np.array(temps, np.float32), rows.device)
+        top = torch.topk(rows.float() / temps[:, None], support)
+        probs = torch.softmax(top.values, dim=-1)  # [jobs, support]
+        half = torch.full((1, support), 0.5)  # (a greedy row's: its draw is not used)
+        uniforms = torch.cat(
+            [half if g is None else torch.rand((1, support), generator=g) for g in gens]
+        )
+        order = gumbel_order(probs, 1, to_device(uniforms, rows.device))  # [jobs, 1]
+        drawn = top.indices.gather(1, order)[:, 0]
+        sampled = to_device(np.array([g is not None for g in gens]), rows.device)
+        tokens = torch.where(sampled, drawn, best.indices)
+        picks = torch.where(sampled[:, None], order.float().expand(-1, 2), picks)
+        return tokens, [picks, top.indices, probs]
 
     def _grow(self, growths: list[_Growth], logits: list[torch.Tensor]) -> None:
         """One level: each growth's frontier rows of logits ([frontier, vocab] each) become
