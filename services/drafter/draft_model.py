@@ -161,23 +161,29 @@ class DraftModelProposer(Proposer):
         support] q's tokens and its probabilities."""
         best = torch.log_softmax(rows.float(), dim=-1).max(dim=-1)
         picks = torch.stack([best.indices.float(), best.values], dim=1)  # [jobs, 2]
-        support = min(self.sample_support, rows.shape[1])
         if all(g is None for g in gens):
             return best.indices, [picks]
-        temps = [job.temperature if job.temperature > 0 else 1.0 for job in jobs]
-        temps = to_device(np.array(temps, np.float32), rows.device)
-        top = torch.topk(rows.float() / temps[:, None], support)
-        probs = torch.softmax(top.values, dim=-1)  # [jobs, support]
+        ids, probs = self._q(
+            rows, [job.temperature if job.temperature > 0 else 1.0 for job in jobs]
+        )
+        support = probs.shape[1]
         half = torch.full((1, support), 0.5)  # (a greedy row's: its draw is not used)
         uniforms = torch.cat(
             [half if g is None else torch.rand((1, support), generator=g) for g in gens]
         )
         order = gumbel_order(probs, 1, to_device(uniforms, rows.device))  # [jobs, 1]
-        drawn = top.indices.gather(1, order)[:, 0]
+        drawn = ids.gather(1, order)[:, 0]
         sampled = to_device(np.array([g is not None for g in gens]), rows.device)
         tokens = torch.where(sampled, drawn, best.indices)
         picks = torch.where(sampled[:, None], order.float().expand(-1, 2), picks)
-        return tokens, [picks, top.indices, probs]
+        return tokens, [picks, ids, probs]
+
+    def _q(self, rows: torch.Tensor, temperatures: list[float]):
+        """The draft distribution q of each row ([rows, vocab] logits): softmax(rows / T)
+        over its `sample_support` most likely tokens -> ids and probs [rows, support]."""
+        temps = to_device(np.array(temperatures, np.float32), rows.device)
+        top = torch.topk(rows.float() / temps[:, None], self.sample_support)
+        return top.indices, torch.softmax(top.values, dim=-1)
 
     def _grow(self, growths: list[_Growth], logits: list[torch.Tensor]) -> None:
         """One level: each growth's frontier rows of logits ([frontier, vocab] each) become
@@ -203,10 +209,7 @@ class DraftModelProposer(Proposer):
         if sampled:
             picked = rows if not greedy else rows[to_device(np.array(sampled), rows.device)]
             drawing = [g for g in growths if g.job.temperature > 0]
-            temps = [g.job.temperature for g in drawing for _ in g.frontier]
-            temps = to_device(np.array(temps, np.float32), rows.device)
-            top = torch.topk(picked.float() / temps[:, None], self.sample_support)
-            probs = torch.softmax(top.values, dim=-1)  # [rows, support]
+            ids, probs = self._q(picked, [g.job.temperature for g in drawing for _ in g.frontier])
             uniforms = torch.cat(
                 [
                     torch.rand((len(g.frontier), probs.shape[1]), generator=g.generator)
@@ -214,7 +217,7 @@ class DraftModelProposer(Proposer):
                 ]
             )
             order = gumbel_order(probs, self.shape.branching, to_device(uniforms, rows.device))
-            parts += [top.indices, probs, order]
+            parts += [ids, probs, order]
         host = read_together(parts)
         out: list[_Choice | None] = [None] * len(kinds)
         if greedy:

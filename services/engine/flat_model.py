@@ -102,14 +102,15 @@ class FlatModel:
         self.use_pool(kv_tokens, block_size)
 
         self.compiler = compiler
-        self.front, self.back = self._front, self._back
-        self.out, self.mlp = self._out, self._mlp
+        # A layer's halves as functions of the layer: one compiled code serves every layer.
+        self.front, self.back = DecoderLayer.front, DecoderLayer.back
+        self.out, self.mlp = DecoderLayer.out, DecoderLayer.mlp
         if compiler is not None:  # (a rank's layer has an exchange after out and after mlp)
-            self.front = compiler(self._front)
+            self.front = compiler(DecoderLayer.front)
             if shards is None:
-                self.back = compiler(self._back)
+                self.back = compiler(DecoderLayer.back)
             else:
-                self.out, self.mlp = compiler(self._out), compiler(self._mlp)
+                self.out, self.mlp = compiler(DecoderLayer.out), compiler(DecoderLayer.mlp)
 
     @classmethod
     def prepare(
@@ -275,19 +276,3 @@ class FlatModel:
             lines = str(error).strip().splitlines()
             self.shards.lost = f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
         return ShardsLost(self.shards.lost)
-
-    @staticmethod
-    def _front(layer: DecoderLayer, hidden, cos, sin):
-        return layer.front(hidden, cos, sin)
-
-    @staticmethod
-    def _back(layer: DecoderLayer, hidden, attended):
-        return layer.back(hidden, attended)
-
-    @staticmethod
-    def _out(layer: DecoderLayer, attended):
-        return layer.out(attended)
-
-    @staticmethod
-    def _mlp(layer: DecoderLayer, hidden):
-        return layer.mlp(hidden)
