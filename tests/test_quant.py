@@ -12,8 +12,9 @@ from conftest import DEVICE, NOISE, default_target_dir, save_tiny_qwen
 from specserve.common import models
 from specserve.common.proposers.base import TreeShape
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
+from specserve.drafter import draft_model
 from specserve.drafter.draft_model import DraftModelProposer
-from specserve.engine import gemm, quant
+from specserve.engine import dtypes, gemm, quant
 from specserve.engine.flat_model import FlatModel, Segment
 from specserve.verifier.sequence import common_prefix
 
@@ -147,6 +148,34 @@ def test_greedy_speculation_equals_the_quantised_targets_plain_decoding(
 def test_a_dtype_the_device_cannot_run_stops_the_load_naming_the_key(quant_dirs):
     with pytest.raises(models.ModelError, match=r"verifier\.dtype: int8 cannot run on cuda"):
         models.load_model(quant_dirs[0], "cuda", "int8", setting="verifier.dtype")
+
+
+def test_auto_takes_the_fastest_dtype_the_device_runs_and_says_why():
+    """CUDA: bfloat16 (or float16). CPU: each candidate the device runs, timed on a decode row
+    through layers of the model's MLP shape; the fastest wins, and what it cannot run is named
+    with the reason (int4 needs in_features divisible by its group)."""
+    choice = dtypes.choose(DEVICE, 48, 96)  # 48: not a multiple of int4's group of 32
+    if DEVICE.startswith("cuda"):
+        assert choice.dtype == ("bfloat16" if torch.cuda.is_bf16_supported() else "float16")
+        return
+    assert "not a multiple of 32" in choice.refused["int4"]
+    native_bf16 = gemm.wide_dtype("cpu") == torch.bfloat16
+    assert ("bfloat16" in choice.ms_per_row) == native_bf16
+    assert choice.dtype == min(choice.ms_per_row, key=choice.ms_per_row.get)
+    assert set(choice.ms_per_row) | set(choice.refused) == set(dtypes.CPU_CANDIDATES)
+    assert choice.dtype in choice.reason and all(ms > 0 for ms in choice.ms_per_row.values())
+
+
+def test_auto_resolves_before_the_load_and_an_explicit_dtype_is_kept(quant_dirs, tmp_path):
+    target = quant_dirs[0]
+    chosen = models.resolve_dtype("auto", DEVICE, target, "verifier.dtype")
+    assert chosen in ("int4", "int8", "bfloat16", "float16", "float32")
+    assert models.resolve_dtype("float32", DEVICE, tmp_path) == "float32"  # (nothing read)
+    with pytest.raises(models.ModelError, match=r"drafter\.dtype: auto needs the model's config"):
+        models.resolve_dtype("auto", DEVICE, tmp_path, "drafter.dtype")
+    settings = DrafterSettings(draft_model_path=str(target), device=DEVICE, dtype="auto")
+    assert draft_model.with_dtype(settings).dtype in ("int4", "int8", "bfloat16", "float32")
+    assert draft_model.with_dtype(settings.model_copy(update={"dtype": "int8"})).dtype == "int8"
 
 
 def plain_greedy_with_margins(target, prompt: list[int], tokens: int, eos: int):

@@ -96,6 +96,32 @@ def test_a_result_replays_only_on_the_dtype_that_produced_it(tiny_cluster, gatew
         tiny_cluster.kill("verifier-bf16", signal.SIGTERM)  # drained: leaves the registry
 
 
+@pytest.mark.cluster
+def test_a_verifier_with_dtype_auto_serves_and_names_the_dtype_it_chose(tiny_cluster, gateway):
+    """`dtype: auto` is resolved at start: the log says what it chose and why, and the served
+    version (registry, GetModelInfo, every final) names that dtype, never "auto"."""
+    store = RequestStore.from_url(tiny_cluster.redis_url)
+    tiny_cluster.start_service(
+        "verifier",
+        {"SPECSERVE_VERIFIER_DTYPE": "auto", "SPECSERVE_VERIFIER_POOL": CANARY},
+        instance="verifier-auto",
+    )
+    try:
+        tiny_cluster.wait_ready("verifier-auto", 120)
+        version = wait_for_canary_version(gateway)
+        chosen = version.rsplit(":", 2)[1]
+        assert chosen in ("int4", "int8", "bfloat16", "float16", "float32")
+        log = tiny_cluster.log_path("verifier-auto").read_text()
+        assert f"verifier.dtype: auto chose {chosen}" in log
+        assert "fastest decode row" in log or DEVICE_KIND == "cuda"
+        store.set_canary_share(1.0)
+        reply = generate(gateway, request(prompt_ids=[1, 2, 3], max_tokens=4))
+        assert reply.final.model_version == version
+    finally:
+        store.set_canary_share(0.0)
+        tiny_cluster.kill("verifier-auto", signal.SIGTERM)
+
+
 def wait_for_canary_version(gateway, timeout: float = 30) -> str:
     """The canary pool's version once the gateway's registry read lists it."""
 

@@ -328,6 +328,26 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def resolve_dtype(dtype: str, device: str, path: Path, setting: str = "dtype") -> str:
+    """`dtype` itself, or for "auto" the dtype the device runs the model at `path` fastest
+    in (engine/dtypes.py), logged with the timings that chose it."""
+    if dtype != "auto":
+        return dtype
+    from ..engine import dtypes
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+        shape = config["hidden_size"], config["intermediate_size"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"{setting}: auto needs the model's config.json at {path}: {e}") from e
+    choice = dtypes.choose(device, *shape)
+    log.info(
+        f"{setting}: auto chose {choice.dtype}",
+        extra={"reason": choice.reason, "refused": choice.refused or None},
+    )
+    return choice.dtype
+
+
 def load_model(
     path: Path,
     device: str,

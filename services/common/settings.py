@@ -15,8 +15,10 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_va
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
-Dtype = Literal["float32", "bfloat16", "float16", "int8", "int4"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16", "int8", "int4"]
 DTYPE_HELP = (
+    "auto: chosen at start for the device and logged (CUDA: bfloat16; CPU: whichever of "
+    "int4, int8, bfloat16 where native, float32 decodes fastest there; engine/dtypes.py). "
     "int8 / int4: weight-only quantised linear layers (per channel / per group of 32), "
     "the rest in float32; a device whose torch build lacks the kernel stops the service."
 )

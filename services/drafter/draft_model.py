@@ -43,6 +43,23 @@ class _Growth:
     generator: torch.Generator | None
 
 
+def model_path(settings: DrafterSettings):
+    """The draft model's directory (fetched and verified)."""
+    ref = settings.draft_model
+    if settings.draft_model_path:
+        ref = ModelRef(path=settings.draft_model_path)
+    return models.resolve(ref, settings.model_cache_dir)[0]
+
+
+def with_dtype(settings: DrafterSettings) -> DrafterSettings:
+    """`settings` with `dtype: auto` replaced by what the device runs the draft model fastest
+    in (models.resolve_dtype), so the registry and the load see the same dtype."""
+    if settings.dtype != "auto":
+        return settings
+    dtype = models.resolve_dtype("auto", settings.device, model_path(settings), "drafter.dtype")
+    return settings.model_copy(update={"dtype": dtype})
+
+
 class DraftModelProposer(Proposer):
     name = "draft_model"
 
@@ -54,10 +71,7 @@ class DraftModelProposer(Proposer):
 
     @classmethod
     def from_settings(cls, settings: DrafterSettings) -> DraftModelProposer:
-        ref = settings.draft_model
-        if settings.draft_model_path:
-            ref = ModelRef(path=settings.draft_model_path)
-        path, _ = models.resolve(ref, settings.model_cache_dir)
+        path = model_path(settings)
         try:
             model, _ = FlatModel.prepare(
                 models.load_model(path, settings.device, settings.dtype, setting="drafter.dtype"),

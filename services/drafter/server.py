@@ -15,7 +15,7 @@ from ..common.settings import DrafterSettings
 from ..common.store import RequestStore, heartbeat_forever, now_ms
 from ..common.tree import DraftTree, to_proto
 from ..v1 import drafter_pb2, drafter_pb2_grpc
-from . import metrics
+from . import draft_model, metrics
 from .proposers import PROPOSERS
 from .run_ahead import RunAhead
 
@@ -127,6 +127,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
 def build(settings: DrafterSettings):
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
+    if settings.proposer in ("draft_model", "hybrid"):
+        settings = draft_model.with_dtype(settings)
     proposer = PROPOSERS[settings.proposer].from_settings(settings)
     store = RequestStore.connect(settings)
     store.wait_reachable()

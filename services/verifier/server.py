@@ -295,6 +295,8 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     path, manifest = models.resolve(settings.model, settings.model_cache_dir)
+    dtype = models.resolve_dtype(settings.dtype, settings.device, path, "verifier.dtype")
+    settings = settings.model_copy(update={"dtype": dtype})  # (what the ranks load, too)
     model, ranks = load_target(settings, path)
     metrics.RANKS.set(settings.tensor_parallel)
     try:
