@@ -53,7 +53,14 @@ from specserve.verifier.reference import hf_greedy
 from .prompts import PROMPTS
 
 WARM_UP = ("Say hi.", 8)
-SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8", "int4": "int4"}
+SHORT = {
+    "auto": "auto",
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "int8": "int8",
+    "int4": "int4",
+}
 # label -> (drafter settings, tree size per step); 0: speculation off; None: not pinned, the
 # verifier's adaptive policy chooses (budget within verification_tree_size for the draft
 # model, deep budget within deep_tree_size for model-free trees). {dtype} becomes the dtype
@@ -68,14 +75,14 @@ CONFIGS: dict[str, tuple[dict | None, int | None]] = {
     "draft {dtype} tree 12": ({**INT8, "branching": 2, "width": 3, "max_depth": 6}, 12),
     "ngram 10": ({"proposer": "ngram", "ngram_depth": 10}, 10),
     "suffix, adaptive": ({"proposer": "suffix"}, None),
-    # config/specserve.yaml's drafter and policy: the draft model's chain of 6 in int8, and the
-    # suffix tree wherever it is expected to have more accepted.
+    # config/specserve.yaml's drafter and policy (with --dtype auto, its dtypes too): the draft
+    # model's chain of 6, and the suffix tree wherever it is expected to have more accepted.
     "default: hybrid, suffix + draft {dtype} chain 6, adaptive": (
-        {**INT8, **CHAIN, "proposer": "hybrid", "max_depth": 6},
+        {**CHAIN, "proposer": "hybrid", "max_depth": 6},
         None,
     ),
     "default + run-ahead": (
-        {**INT8, **CHAIN, "proposer": "hybrid", "max_depth": 6, "run_ahead": True},
+        {**CHAIN, "proposer": "hybrid", "max_depth": 6, "run_ahead": True},
         None,
     ),
 }
@@ -313,8 +320,9 @@ def main() -> None:
     p.add_argument(
         "--dtype",
         default="bfloat16",
-        choices=["float32", "bfloat16", "int8", "int4"],
-        help="target and drafter (int8, int4: weight-only quantised, cluster rows only)",
+        choices=["auto", "float32", "bfloat16", "int8", "int4"],
+        help="target and drafter (int8, int4: weight-only quantised; auto: what the device runs "
+        "fastest, as config/specserve.yaml; these three: cluster rows only)",
     )
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (every system)")
@@ -330,7 +338,7 @@ def main() -> None:
     )
     p.add_argument("--kinds", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     args = p.parse_args()
-    if args.dtype in ("int8", "int4") and not args.skip_hf:
+    if args.dtype in ("auto", "int8", "int4") and not args.skip_hf:
         p.error(f"--dtype {args.dtype} runs the cluster rows only: add --skip-hf")
     results = run_cluster(args)
     if not args.skip_hf:

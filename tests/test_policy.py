@@ -84,10 +84,44 @@ def test_pinned_sizes_and_caps_are_kept():
     assert policy.budgets([Candidate(0, 0.9)], 0) == [0]
 
 
-def test_a_probe_step_measures_the_drafts_again():
-    policy = policy_with(a=0.2, b=0.005, c=0.15, d=0.0)
+def test_a_probe_step_measures_the_drafts_again_where_good_drafts_would_pay():
+    """One step in PROBE_EVERY prices the drafts at EXPLORE_ALPHA: a poor rate measured long
+    ago is measured again, at the size good drafts would pay at; drafts so slow that even
+    good ones cannot pay are not tried."""
+    policy = policy_with(a=0.2, b=0.005, c=0.08, d=0.0)
     chosen = [policy.budgets([Candidate(6, 0.3)], 0)[0] for _ in range(PROBE_EVERY)]
-    assert chosen.count(6) == 1 and chosen.count(0) == PROBE_EVERY - 1
+    assert chosen.count(0) == PROBE_EVERY - 1 and max(chosen) > 0
+    slow = policy_with(a=0.2, b=0.005, c=0.5, d=0.0)
+    assert [slow.budgets([Candidate(6, 0.3)], 0)[0] for _ in range(PROBE_EVERY)] == [0] * 64
+
+
+# The int4 default target on a 2-core AMD EPYC: seconds of a pass by its tokens (the int4
+# kernel prices rows in blocks of four).
+INT4_PROFILE = {1: 0.058, 2: 0.071, 3: 0.086, 4: 0.097, 5: 0.178, 7: 0.195, 9: 0.26, 17: 0.41}
+
+
+def test_a_measured_profile_prices_the_kernels_blocks():
+    """The profile is interpolated between measured counts and extended by the fitted slope;
+    a step of a measured count moves its entry; the budgets stop at a block's edge."""
+    policy = AdaptivePolicy(8)
+    policy.cost.calibrate(INT4_PROFILE)
+    cost = policy.cost
+    assert cost.verify_seconds(4) == pytest.approx(0.097)
+    assert cost.verify_seconds(6) == pytest.approx((0.178 + 0.195) / 2)
+    assert cost.verify_seconds(21) == pytest.approx(0.41 + 4 * cost.coef.b)
+    assert cost.coef.b > 0
+    policy.steps = 1
+    # Cheap drafts of a good draft model: three nodes (four rows), not the fifth row's block.
+    assert policy.budgets([Candidate(8, 0.8)], 0) == [3]
+    assert policy.deep_budgets([Candidate(64, 0.8)], 1.8 / 0.097, [1]) == [3]
+    # Copying (a suffix match the target keeps): deep enough to pay for the next blocks.
+    assert policy.deep_budgets([Candidate(64, 0.99)], 1.8 / 0.097, [1])[0] >= 16
+    # Poor drafts: plain decoding.
+    assert policy.budgets([Candidate(8, 0.2)], 0) == [0]
+    for _ in range(30):
+        cost.observe_verify(4, 0.2)  # (a longer context, say)
+    assert cost.verify_seconds(4) == pytest.approx(0.2, rel=0.01)
+    assert policy.budgets([Candidate(8, 0.8)], 0) == [2]  # three rows now cost less than four
 
 
 def test_acceptance_estimates_move_from_the_prior_to_what_is_measured():

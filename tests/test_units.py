@@ -221,7 +221,7 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
     from specserve.common.settings import VerifierSettings
     from specserve.verifier.speculator import Speculator
 
-    def budgets(measured=True, **settings):
+    def budgets(measured=True, node_seconds=0.2, **settings):
         speculator = Speculator(
             VerifierSettings.load(
                 None, speculative_decoding=True, discover_drafters=False, **settings
@@ -237,9 +237,9 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
                 seq.drawn_accepted = seq.free_accepted = 30
             seqs.append(seq)
         policy = speculator.policy
-        if policy is not None:  # a big batch whose nodes cost more than they return
+        if policy is not None:  # (0.2 s: a big batch whose nodes cost more than they return)
             policy.steps = 1
-            policy.cost.coef.a, policy.cost.coef.b = 0.1, 0.2
+            policy.cost.coef.a, policy.cost.coef.b = 0.1, node_seconds
             policy.cost.per_token_known = True
             policy.service_alpha = policy.service_free_alpha = 0.3
         return speculator.budgets(seqs)
@@ -249,10 +249,14 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
     adaptive = dict(speculation_policy="adaptive", verification_tree_size=6)
     assert budgets(**adaptive, deep_tree_size=0) == [(0, 0)] * 3  # the policy still decides
     assert budgets(**adaptive, deep_tree_size=64) == [(0, 0)] * 3
-    # Not measured yet: they draft at the cap (model-free trees at the draft model's) to
-    # find out, rather than never drafting on the service-wide rate alone.
-    assert budgets(False, **adaptive, deep_tree_size=64) == [(6, 6)] * 3
-    assert budgets(False, **adaptive, deep_tree_size=0) == [(6, 0)] * 3
+    # Not measured yet: priced as good drafts (EXPLORE_ALPHA) rather than by the service-wide
+    # rate alone, they draft to find out where good drafts would pay, at the size they would
+    # pay at; where nodes cost more than even good drafts return, they do not.
+    assert budgets(False, **adaptive, deep_tree_size=64) == [(0, 0)] * 3
+    cheap = budgets(False, 0.002, **adaptive, deep_tree_size=64)
+    assert all(0 < k <= 6 and 0 < deep <= 64 for k, deep in cheap)
+    assert budgets(False, 0.002, **adaptive, deep_tree_size=0) == [(k, 0) for k, _ in cheap]
+    assert budgets(True, 0.002, **adaptive, deep_tree_size=64) != cheap  # (measured: poor)
 
 
 def test_a_pinned_tree_size_stays_within_the_operators_largest_tree():

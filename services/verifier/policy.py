@@ -9,23 +9,32 @@ and then the deep budgets (`deep_budgets`: as deep as a node still pays for its 
 - Expected tokens of a sequence with budget k, treating its tree as a chain whose tokens the
   target keeps independently with probability alpha (the sequence's running acceptance rate,
   smoothed towards the service-wide rate): 1 + alpha + ... + alpha^k.
-- Step time, from a cost model fitted to this verifier's own measured steps (least squares over
-  a window of recent steps): verify = a + b * tokens in the forward pass; drafting, when any
-  sequence drafts, = e + levels * (c + d * drafting sequences), with levels = the largest
-  budget. Steps that prefill are left out of the verify fit, and steps where a drafter took in
-  a whole prompt out of the draft fit: both costs come once per request, not per node.
+- Step time, from a cost model of this verifier's own measured steps. Verify time by the
+  tokens in the forward pass is a measured profile: each token count timed at start
+  (`calibrate`, one pass each on the model itself) and then followed by every step of that
+  count (a moving average, so a growing context is tracked); counts between two measured ones
+  are interpolated, and past the largest, the least-squares line over a window of recent steps
+  (verify = a + b * tokens) gives the slope. A profile, not a line, because a quantised kernel
+  prices rows in blocks: the int4 default target took 58 ms for 1 token, 97 ms for 4 and
+  178 ms for 5 on this CPU. Drafting, when any sequence drafts, = e + levels * (c + d *
+  drafting sequences), with levels = the largest budget (least squares). Steps that prefill
+  are left out of the verify fit, and steps where a drafter took in a whole prompt out of the
+  draft fit: both costs come once per request, not per node.
 
 The search tries every common cap K from 0 to the configured size; under each, sequences whose
-expected gain is worth less than the time their nodes cost drop to 0. K = 0 is plain decoding,
-which wins when the batch is large enough that extra tokens cost more than they return.
-Requests that pinned a tree size keep it, and count in the cost. (The speculator also drafts
-nothing on a step that gives an interactive request its first token while at most one other
-sequence would draft; see Speculator.budgets.)
+expected gain is worth less than the time their nodes add to the step drop to 0. K = 0 is
+plain decoding, which wins when the batch is large enough that extra tokens cost more than
+they return. A model-free tree gets the depth k whose expected extra tokens most exceed what
+the step's rate loses in the time those k nodes add. Requests that pinned a tree size keep it,
+and count in the cost. A sequence whose own rate is not measured yet, and every sequence on a
+probe step, is priced with an acceptance of at least EXPLORE_ALPHA: it drafts where good
+drafts would pay, at the size they would pay at, and not where even those would not. (The
+speculator also drafts nothing on a step that gives an interactive request its first token
+while at most one other sequence would draft; see Speculator.budgets.)
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -34,7 +43,9 @@ import numpy as np
 PRIOR_ACCEPTANCE = 0.6  # service-wide rate before anything was measured
 PRIOR_WEIGHT = 4.0  # tested draft tokens the service-wide rate counts as, per sequence
 REFIT_EVERY = 16  # observations between refits
-PROBE_EVERY = 64  # steps: one in this many uses the largest budget, to keep measuring drafts
+PROBE_EVERY = 64  # steps: one in this many prices drafts optimistically, to measure them again
+EXPLORE_ALPHA = 0.8  # the acceptance a sequence not yet measured (or probed) is priced at
+VERIFY_EWMA = 0.2  # weight of a step's time in its token count's profile entry
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -61,11 +72,42 @@ class CostModel:
         self.draft: deque[tuple[int, int, float]] = deque(maxlen=draft_window)
         self.coef = Coefficients()
         self.per_token_known = False  # b was fitted from steps of two sizes or more
+        self.profile: dict[int, float] = {}  # verify seconds by tokens (calibrated, then followed)
+        self._points: tuple[np.ndarray, np.ndarray] | None = None  # the profile, sorted
         self._since_fit = 0
+
+    def calibrate(self, seconds_by_tokens: dict[int, float]) -> None:
+        """Verify times measured at start, by the tokens of the pass (the profile's seed)."""
+        self.profile.update(seconds_by_tokens)
+        self._points = None
+        for tokens, seconds in seconds_by_tokens.items():
+            self.verify.append((tokens, seconds))
+        self.fit()
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify.append((tokens, seconds))
+        if tokens in self.profile:
+            self.profile[tokens] += VERIFY_EWMA * (seconds - self.profile[tokens])
+            self._points = None
         self._observed()
+
+    def verify_seconds(self, tokens: int | np.ndarray) -> float | np.ndarray:
+        """A forward pass's time for `tokens` tokens (an int, or an array of counts)."""
+        c = self.coef
+        n = np.asarray(tokens, dtype=np.float64)
+        if self.profile:
+            if self._points is None:
+                counts = sorted(self.profile)
+                self._points = (
+                    np.array(counts, dtype=np.float64),
+                    np.array([self.profile[k] for k in counts]),
+                )
+            counts, times = self._points
+            past = times[-1] + c.b * (n - counts[-1])
+            out = np.where(n > counts[-1], past, np.interp(n, counts, times))
+        else:
+            out = c.a + c.b * n
+        return out if n.ndim else float(out)
 
     def observe_draft(self, levels: int, seqs: int, seconds: float) -> None:
         if levels > 0:
@@ -83,7 +125,8 @@ class CostModel:
             x = np.array([[1.0, n] for n, _ in self.verify])
             y = np.array([s for _, s in self.verify])
             sizes = Counter(n for n, _ in self.verify)
-            self.per_token_known = sum(count >= 2 for count in sizes.values()) >= 2
+            repeated = sum(count >= 2 for count in sizes.values())  # (a stray step aside)
+            self.per_token_known = repeated >= 2 or len(self.profile) >= 2  # (measured once)
             if self.per_token_known:
                 self.coef.a, self.coef.b = _nonnegative_lstsq(x, y)
             else:  # one step size seen (a stray other): what a token costs is unknown, and
@@ -96,7 +139,12 @@ class CostModel:
     def step_seconds(self, tokens: int, levels: int, drafting: int) -> float:
         c = self.coef
         draft = c.e + levels * (c.c + c.d * drafting) if levels else 0.0
-        return c.a + c.b * tokens + draft
+        return self.verify_seconds(tokens) + draft
+
+    @property
+    def known(self) -> bool:
+        """Whether what a token adds to a pass is measured (a profile, or steps of two sizes)."""
+        return bool(self.profile) or self.per_token_known
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
@@ -146,47 +194,69 @@ class AdaptivePolicy:
             else:
                 self.service_alpha += 0.02 * (rate - self.service_alpha)
 
-    def deep_budgets(self, candidates: list[Candidate], rate: float) -> list[int]:
-        """Budgets of model-free trees, which cost no draft pass, only their verification: the
-        deepest k whose last node still pays, alpha^k >= b x rate (the tokens the node is
-        expected to add against those the step's rate loses in the node's verify time b)."""
-        lost = self.cost.coef.b * rate
-        if not self.cost.per_token_known:  # b = 0 only stands for "not measured yet"
+    def deep_budgets(
+        self, candidates: list[Candidate], rate: float, tokens: list[int] | None = None
+    ) -> list[int]:
+        """Budgets of model-free trees, which cost no draft pass, only their verification: per
+        sequence the depth k whose expected extra tokens (alpha + ... + alpha^k) most exceed
+        what the step's `rate` loses in the time k nodes add to the pass (of `tokens[i]`
+        tokens without them; with a linear cost, the deepest k with alpha^k >= b x rate). On
+        a probe step the candidates are priced at EXPLORE_ALPHA or better."""
+        if not self.cost.known:  # b = 0 only stands for "not measured yet"
             return [c.cap if c.pinned else min(c.cap, self.max_budget) for c in candidates]
         budgets = []
-        for c in candidates:
-            if c.pinned or c.alpha >= 1.0 or lost <= 0.0:
+        for i, c in enumerate(candidates):
+            alpha = max(c.alpha, EXPLORE_ALPHA) if self.probing else c.alpha
+            base = tokens[i] if tokens else 1
+            if c.pinned or c.cap == 0:
                 budgets.append(c.cap)
-            elif lost >= 1.0 or c.alpha <= 0.0:
-                budgets.append(0)
+                continue
+            ks = np.arange(c.cap + 1)
+            if alpha >= 1.0:
+                gain = ks.astype(np.float64)
             else:
-                budgets.append(min(c.cap, int(math.log(lost) / math.log(c.alpha))))
+                gain = alpha * (1.0 - alpha**ks) / (1.0 - alpha)  # alpha + ... + alpha^k
+            added = self.cost.verify_seconds(base + ks) - self.cost.verify_seconds(base)
+            net = gain - rate * added
+            budgets.append(int(np.flatnonzero(net >= net.max() - 1e-12)[-1]))
         return budgets
 
     def budgets(self, candidates: list[Candidate], other_tokens: int) -> list[int]:
         """Budgets that maximise expected tokens per second; other_tokens are tokens in the
-        forward pass that emit nothing (prefill chunks). One step in PROBE_EVERY gives every
-        sequence its cap instead, so that the draft cost is measured again even while the
-        model says plain decoding is better (a drafter that got faster is noticed)."""
+        forward pass that emit nothing (prefill chunks). One step in PROBE_EVERY prices every
+        sequence at EXPLORE_ALPHA or better, so that drafts are measured again even while the
+        model says plain decoding is better (a drafter that got faster is noticed), as long
+        as good drafts would pay."""
         self.steps += 1
-        if self.steps % PROBE_EVERY == 0:
-            return [c.cap if c.pinned else min(c.cap, self.max_budget) for c in candidates]
+        if self.probing:
+            candidates = [
+                Candidate(c.cap, max(c.alpha, EXPLORE_ALPHA), c.pinned) for c in candidates
+            ]
         best, best_rate = [0] * len(candidates), -1.0
         top = min(self.max_budget, max((c.cap for c in candidates), default=0))
         for cap in range(top + 1):
             ks = [c.cap if c.pinned else min(cap, c.cap) for c in candidates]
             rate = self.rate(candidates, ks, other_tokens)
             # Drop sequences whose nodes cost more time than their expected gain is worth.
-            per_token = self.cost.coef.b
+            tokens = other_tokens + sum(1 + k for k in ks)
             for i, c in enumerate(candidates):
                 if ks[i] and not c.pinned:
                     gain = expected_tokens(c.alpha, ks[i]) - 1.0
-                    if gain < per_token * ks[i] * rate:
+                    added = self.cost.verify_seconds(tokens) - self.cost.verify_seconds(
+                        tokens - ks[i]
+                    )
+                    if gain < added * rate:
+                        tokens -= ks[i]
                         ks[i] = 0
             rate = self.rate(candidates, ks, other_tokens)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = ks, rate
         return best
+
+    @property
+    def probing(self) -> bool:
+        """Whether this step (the last `budgets` counted) is a probe step."""
+        return self.steps % PROBE_EVERY == 0
 
     def rate(self, candidates: list[Candidate], ks: list[int], other_tokens: int) -> float:
         """Expected emitted tokens per second of a step with budgets ks."""

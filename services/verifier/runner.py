@@ -77,6 +77,34 @@ class ModelRunner:
             seq.prefill_ms += elapsed_ms
         return results
 
+    @torch.inference_mode()
+    def pass_timer(self, context: int = 256):
+        """`time_pass(tokens) -> seconds`: one forward pass of `tokens` tokens checked as a
+        tree step checks them (their own mask, a logit row each) after `context` tokens of a
+        scratch sequence, read back so the device has finished; the most tokens a pass may
+        have (what the KV pool holds past the context); and `done()`, which frees the scratch
+        KV. For the adaptive policy's verify profile (Speculator.calibrate)."""
+        pool = self.model.pool
+        room = pool.available * pool.block_size - pool.block_size  # (a partial last block)
+        context = max(1, min(context, room // 2))
+        kv = self.model.new_kv()
+        self.model.forward([Segment(kv, [0] * context)])
+
+        def time_pass(tokens: int) -> float:
+            length = kv.length
+            mask = np.tri(tokens, dtype=bool)
+            positions = list(range(length, length + tokens))
+            started = time.perf_counter()
+            (rows,) = self.model.forward(
+                [Segment(kv, [0] * tokens, positions, mask, logits_from=0)]
+            )
+            rows[-1, 0].item()
+            seconds = time.perf_counter() - started
+            kv.truncate(length)
+            return seconds
+
+        return time_pass, room - context, kv.free
+
     @staticmethod
     def commit(seq: Sequence, tree: DraftTree, accepted: list[int]) -> None:
         """Keeps the KV entries of the accepted nodes right after the pending tokens."""

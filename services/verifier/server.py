@@ -291,6 +291,18 @@ def load_target(settings: VerifierSettings, path) -> tuple[object, Ranks | None]
     return model, ranks
 
 
+def calibrate(speculator: Speculator, runner: ModelRunner) -> None:
+    """Times the forward passes a step can make (Speculator.calibrate), before serving."""
+    time_pass, most_tokens, done = runner.pass_timer()
+    try:
+        measured = speculator.calibrate(time_pass, most_tokens)
+    finally:
+        done()
+    if measured:
+        ms = {n: round(1000 * s, 2) for n, s in measured.items()}
+        log.info("verify profile measured (ms by tokens in a pass)", extra={"profile": ms})
+
+
 def build(settings: VerifierSettings) -> tuple[Server, callable]:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
@@ -351,8 +363,10 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
     )
     metrics.KV_BUDGET.set(pool.tokens)
     metrics.MODEL.labels(served.model, served.sha256, served.version, served.pool).set(1)
+    runner = ModelRunner(flat)
+    calibrate(speculator, runner)
     engine = Engine(
-        ModelRunner(flat),
+        runner,
         speculator,
         store,
         Admission(

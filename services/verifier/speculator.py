@@ -21,12 +21,22 @@ from . import metrics
 from .drafter_client import DraftUnavailable
 from .drafter_pool import DrafterPool
 from .drafter_sync import DrafterSync
-from .policy import AdaptivePolicy, Candidate
+from .policy import EXPLORE_ALPHA, AdaptivePolicy, Candidate
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 EXPLORE_TOKENS = 8  # draft tokens of a kind checked before a sequence's own rate is trusted
+# Token counts of a forward pass timed at start for the verify profile (policy.py): every
+# count of one sequence's small trees (kernels price rows in blocks), then sparser.
+CALIBRATE_COUNTS = (*range(1, 10), 13, 17, 25, 33, 49, 65)
+CALIBRATE_MAX = 65
+
+
+def explored(alpha: float, tested: int) -> float:
+    """A sequence's acceptance as the policy prices it: at least EXPLORE_ALPHA until
+    EXPLORE_TOKENS of its drafts (of the kind) were checked."""
+    return max(alpha, EXPLORE_ALPHA) if tested < EXPLORE_TOKENS else alpha
 
 
 class Speculator:
@@ -40,6 +50,7 @@ class Speculator:
         self.deep_tree_size = settings.deep_tree_size
         self.timeout = settings.draft_timeout_seconds
         self.max_seq_len = settings.max_seq_len
+        self.batch_size = settings.batch_size
         self.vocab_size = vocab_size
         self.pool = (
             DrafterPool(
@@ -98,29 +109,44 @@ class Speculator:
                 (cap, deep) if pin else (0, 0)
                 for cap, deep, pin in zip(caps, deep_caps, pinned, strict=True)
             ]
-        # A sequence whose own rate is not measured yet drafts at its cap (model-free trees
-        # at the draft model's): judged by the service-wide rate alone, a sequence that
-        # would gain (code, say, where a prior fit for prose says no) might never draft.
+        # A sequence whose own rate is not measured yet is priced as if its drafts were good
+        # (EXPLORE_ALPHA): judged by the service-wide rate alone, a sequence that would gain
+        # (code, say, where a prior fit for prose says no) might never draft; priced at its
+        # cap whatever the cost, it would pay for the finding out where no draft can pay.
         policy = self.policy
         model = [
             Candidate(
-                cap,
-                policy.alpha(s.drawn_accepted, s.drawn_tested),
-                pin or s.drawn_tested < EXPLORE_TOKENS,
+                cap, explored(policy.alpha(s.drawn_accepted, s.drawn_tested), s.drawn_tested), pin
             )
             for s, cap, pin in zip(seqs, caps, pinned, strict=True)
         ]
         ks = policy.budgets(model, other_tokens)
         free = [
-            Candidate(cap, policy.alpha(s.free_accepted, s.free_tested, free=True), pin)
+            Candidate(
+                cap,
+                explored(policy.alpha(s.free_accepted, s.free_tested, True), s.free_tested),
+                pin,
+            )
             for s, cap, pin in zip(seqs, deep_caps, pinned, strict=True)
         ]
-        deep = policy.deep_budgets(free, policy.rate(model, ks, other_tokens))
-        deep = [
-            max(d, min(c, self.tree_size)) if s.free_tested < EXPLORE_TOKENS else d
-            for s, c, d in zip(seqs, deep_caps, deep, strict=True)
-        ]
+        # Each model-free tree in a pass of the others' tokens (it replaces its draft-model tree)
+        tokens = other_tokens + sum(1 + k for k in ks)
+        rate = policy.rate(model, ks, other_tokens)
+        deep = policy.deep_budgets(free, rate, [tokens - k for k in ks])
         return list(zip(ks, deep, strict=True))
+
+    def calibrate(self, time_pass, most_tokens: int) -> dict[int, float]:
+        """Times a forward pass of each token count a step of this verifier can have, up to
+        CALIBRATE_MAX and `most_tokens` (`time_pass(tokens) -> seconds`), and seeds the
+        adaptive policy's verify profile with them. Returns what was measured."""
+        if self.policy is None or not self.enabled:
+            return {}
+        per_seq = 1 + max(self.tree_size, self.deep_tree_size)
+        largest = min(CALIBRATE_MAX, most_tokens, self.batch_size * per_seq)
+        time_pass(1)  # (a warm-up)
+        measured = {n: time_pass(n) for n in CALIBRATE_COUNTS if n <= largest}
+        self.policy.cost.calibrate(measured)
+        return measured
 
     def observe_step(self, tokens: int, verify_seconds: float, prefill_tokens: int) -> None:
         """A step's forward pass took verify_seconds for `tokens` tokens. Only decode steps
