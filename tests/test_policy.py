@@ -46,6 +46,21 @@ def test_the_cost_model_recovers_measured_coefficients():
     assert coef.e == pytest.approx(0.02, abs=0.005)
 
 
+def test_a_draft_step_that_took_in_a_prompt_does_not_price_the_next_ones():
+    """A draft model catching up with a 400-token prompt took 2.5 s where its steps take
+    40 ms a level: that step is left out of the fit, and the first steps are fitted at once
+    (they price the next), even when a calibrated verify window is long already."""
+    model = CostModel()
+    model.calibrate({1: 0.058, 2: 0.071, 4: 0.097})
+    for _ in range(20):
+        model.observe_verify(1, 0.058)
+    model.observe_draft(2, 1, 0.08)
+    assert model.step_seconds(1, 2, 1) - 0.058 == pytest.approx(0.08, rel=0.05)
+    model.observe_draft(3, 1, 2.49)
+    model.observe_draft(3, 1, 0.12)
+    assert model.step_seconds(1, 3, 1) - 0.058 == pytest.approx(0.12, rel=0.1)
+
+
 def test_coefficients_stay_nonnegative():
     model = CostModel()
     for tokens in range(1, 30):  # time that falls with tokens: noise, not a negative cost

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +35,8 @@ log = logging.getLogger(__name__)
 CPU_CANDIDATES = ("int4", "int8", "bfloat16", "float32")
 FOOTPRINT = 256 << 20  # bytes of weights a timed pass reads (past any CPU's last-level cache) ...
 MAX_COPIES = 64  # ... in at most this many copies of the layer (a tiny model's stay in cache)
-TIMED_PASSES = 5  # passes timed per candidate (the median counts), after one warm-up
+TIMED_PASSES = 5  # passes timed per candidate (the fastest counts: other processes starting
+# on the same cores slow some passes down), after one warm-up
 
 
 @dataclass
@@ -92,9 +92,9 @@ def _layer(in_features: int, out_features: int) -> nn.Linear:
 
 @torch.no_grad()
 def _ms_per_row(layer: nn.Linear, dtype: str, device: str) -> float:
-    """Median milliseconds of one row through `layer` in `dtype`, read from memory: the row goes
-    through copies of the layer holding at least FOOTPRINT bytes together (one layer alone
-    would be timed out of the CPU's cache, where decoding reads a model far larger)."""
+    """Milliseconds of one row through `layer` in `dtype` (its fastest pass), read from
+    memory: the row goes through copies of the layer holding at least FOOTPRINT bytes together
+    (one layer alone would be timed out of the CPU's cache; decoding reads a model far larger)."""
     if dtype in quant.QUANTISED:
         first = quant.LAYERS[dtype](layer).to(device)
         x = torch.randn(1, layer.in_features, device=device)
@@ -114,4 +114,4 @@ def _ms_per_row(layer: nn.Linear, dtype: str, device: str) -> float:
             timed(x)
         if i:  # (the first pass warms up)
             times.append((time.perf_counter() - started) / len(copies))
-    return 1000 * statistics.median(times)
+    return 1000 * min(times)

@@ -46,6 +46,7 @@ REFIT_EVERY = 16  # observations between refits
 PROBE_EVERY = 64  # steps: one in this many prices drafts optimistically, to measure them again
 EXPLORE_ALPHA = 0.8  # the acceptance a sequence not yet measured (or probed) is priced at
 VERIFY_EWMA = 0.2  # weight of a step's time in its token count's profile entry
+OUTLIER = 3.0  # a draft step over this many times the usual time per level is left out
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -115,8 +116,10 @@ class CostModel:
             self._observed()
 
     def _observed(self) -> None:
+        """Refits every REFIT_EVERY observations, and at each while either window is short
+        (the first drafts price the next: a calibrated verify window is long from the start)."""
         self._since_fit += 1
-        if self._since_fit >= REFIT_EVERY or len(self.verify) + len(self.draft) <= REFIT_EVERY:
+        if self._since_fit >= REFIT_EVERY or min(len(self.verify), len(self.draft)) <= REFIT_EVERY:
             self.fit()
 
     def fit(self) -> None:
@@ -134,7 +137,11 @@ class CostModel:
         if self.draft:
             x = np.array([[1.0, k, k * n] for k, n, _ in self.draft])
             y = np.array([s for _, _, s in self.draft])
-            self.coef.e, self.coef.c, self.coef.d = _nonnegative_lstsq(x, y)
+            # A drafter that took in more than a step's tokens (a draft model catching up with
+            # a prompt, say) takes many times a step: a step over OUTLIER times the median
+            # time per level (times its levels) is left out.
+            usual = y <= OUTLIER * np.median(y / x[:, 1]) * x[:, 1]
+            self.coef.e, self.coef.c, self.coef.d = _nonnegative_lstsq(x[usual], y[usual])
 
     def step_seconds(self, tokens: int, levels: int, drafting: int) -> float:
         c = self.coef

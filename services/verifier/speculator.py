@@ -186,7 +186,10 @@ class Speculator:
             # sequence, or what a deep model-free tree had accepted) costs once, not per
             # level, and would skew the per-level cost. Levels are those of the draft model's
             # trees: model-free ones cost no draft pass.
-            steady = self.sync.largest_delta <= self.tree_size + 1
+            # A sequence's first draft-model tree has the draft model take in its whole
+            # context first: not steady either.
+            first = any(k and not s.drawn_tested for s, (k, _) in zip(seqs, budgets, strict=True))
+            steady = self.sync.largest_delta <= self.tree_size + 1 and not first
             if self.policy is not None and steady and all(t is not None for t in trees):
                 drawn = [k for (k, _), t in zip(budgets, trees, strict=True) if not t.model_free]
                 self.policy.cost.observe_draft(
