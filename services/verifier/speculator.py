@@ -143,8 +143,14 @@ class Speculator:
             return {}
         per_seq = 1 + max(self.tree_size, self.deep_tree_size)
         largest = min(CALIBRATE_MAX, most_tokens, self.batch_size * per_seq)
+        if largest < 1:  # (a KV pool too small for a scratch sequence: the line fit alone)
+            return {}
         time_pass(1)  # (a warm-up)
-        measured = {n: time_pass(n) for n in CALIBRATE_COUNTS if n <= largest}
+        measured = {  # (small counts, cheap, timed twice: their differences decide small trees)
+            n: min(time_pass(n) for _ in range(2 if n < 10 else 1))
+            for n in CALIBRATE_COUNTS
+            if n <= largest
+        }
         self.policy.cost.calibrate(measured)
         return measured
 
