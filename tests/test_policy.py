@@ -181,3 +181,27 @@ def test_steps_of_one_size_leave_the_token_cost_unknown_and_drafts_get_tried():
     assert policy.budgets([Candidate(6, 0.6)], 0) == [6]
     # ... but not deep: 64 nodes of unknown cost could take many times a step
     assert policy.deep_budgets([Candidate(64, 0.6)], 2.0) == [6]
+
+
+def test_the_acceptance_replay_accepts_what_a_tree_path_follows():
+    """benchmarks/acceptance.py's rule: the longest path of the tree that the target's output
+    follows, from the root; and Hugging Face's prompt lookup rule as written there."""
+    from benchmarks.acceptance import PromptLookup, accepted
+    from specserve.common.proposers.base import DraftJob
+    from specserve.common.tree import DraftTree
+
+    tree = DraftTree()
+    a = tree.add(5, -1)
+    tree.add(6, a)
+    b = tree.add(7, -1)
+    c = tree.add(8, b)
+    tree.add(9, c)
+    assert accepted(tree, [7, 8, 9, 1]) == 3
+    assert accepted(tree, [5, 6, 9]) == 2
+    assert accepted(tree, [6]) == 0
+    assert accepted(tree, []) == 0
+    history = [1, 2, 3, 4, 9, 9, 2, 3]  # the last two tokens occurred at 1..2: then 4, 9, 9, ...
+    (chain,) = PromptLookup(depth=3).propose([DraftJob("s", history, 3)])
+    assert chain.token_ids == [4, 9, 9] and chain.parents == [-1, 0, 1]
+    (none,) = PromptLookup().propose([DraftJob("s", [1, 2, 3], 3)])
+    assert len(none) == 0

@@ -1,0 +1,309 @@
+"""Mean accepted tokens per step of each proposer on Spec-Bench, replayed against the target's
+own greedy output: cheap, and the same on any hardware.
+
+    python -m benchmarks.acceptance [--per-category 2] [--tokens 128] [--dtype auto]
+                                    [--proposers suffix,ngram,prompt_lookup,chain,tree,hybrid]
+                                    [--out benchmarks/results]
+
+Spec-Bench's questions (`shared/workloads/spec_bench/question.jsonl`, 13 categories): the
+first --per-category of each, their first turn as a chat with the default target's template.
+The target's greedy output (--tokens tokens, or to its end) is generated once per question
+through the engine and cached by the served version (weights, dtype, device) under
+<model cache>/bench/acceptance/. Each proposer then replays every output step by step as the
+verifier would check it: at position i it is asked for a tree after prompt + output[:i]; the
+longest path of the tree that the output follows is accepted, plus the target's own next
+token; the next step starts after them. Reported per category: tokens per step (accepted +
+1, the figure papers call tau), its mean over categories, and drafted nodes per step. Trees
+are as large as the default config allows (`verification_tree_size` 6 for the draft model,
+`deep_tree_size` 64 for model-free trees), so this measures what proposers could get
+accepted, not what the adaptive policy chooses to spend.
+
+Proposers: `suffix` (ours: the request's own history and its tenant's earlier outputs, as
+the default config), `ngram` (ours, 10 deep), `prompt_lookup` (Hugging Face's prompt lookup
+rule, written here: the last 1-2 tokens' latest earlier occurrence, the 10 tokens after it),
+`chain` and `tree` (the draft model: a greedy chain of 6, a tree of depth 6 branching 2, width
+4, 16 nodes), `hybrid` (the default config: suffix tree or the draft model's chain, per step).
+Every proposer takes config/specserve.yaml's drafter settings otherwise.
+Questions are replayed in file order as one tenant, so the suffix tree learns from earlier
+answers as it would in the service.
+Writes <out>/acceptance.json and <out>/acceptance.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import yaml
+
+WORKLOAD = Path(__file__).resolve().parents[2] / "shared/workloads/spec_bench/question.jsonl"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config/specserve.yaml"
+PROPOSERS = ("suffix", "ngram", "prompt_lookup", "chain", "tree", "hybrid")
+MODEL_BUDGET, DEEP_BUDGET = 6, 64  # config/specserve.yaml's tree sizes
+
+
+def questions(path: Path, per_category: int) -> list[dict]:
+    if not path.exists():
+        sys.exit(
+            f"no Spec-Bench questions at {path}: put hemingkx/Spec-Bench's "
+            "data/spec_bench/question.jsonl there (or pass --workload)"
+        )
+    taken: dict[str, int] = defaultdict(int)
+    chosen = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if taken[row["category"]] < per_category:
+            taken[row["category"]] += 1
+            chosen.append(row)
+    return chosen
+
+
+# --- the target's outputs -----------------------------------------------------------------
+def target_outputs(rows: list[dict], tokens: int, dtype: str, device: str) -> tuple[list, str]:
+    """(prompt ids, greedy output ids) per question, and the served version they are of."""
+    from specserve.common import models
+    from specserve.common.settings import VerifierSettings
+
+    settings = VerifierSettings()
+    path, manifest = models.resolve(settings.model, settings.model_cache_dir)
+    dtype = models.resolve_dtype(dtype, device, path, "--dtype")
+    version = models.served_version(
+        settings.model, models.fingerprint(path, manifest), dtype=dtype, device=device
+    )
+    cache = Path(settings.model_cache_dir) / "bench" / "acceptance" / version.replace(":", "_")
+    cache.mkdir(parents=True, exist_ok=True)
+    tokenizer = models.load_tokenizer(path)
+    model = flat = None
+    pairs = []
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["turns"][0]}], add_generation_prompt=True
+        )
+        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        saved = cache / f"{row['question_id']}_{tokens}.json"
+        if saved.exists():
+            output = json.loads(saved.read_text())
+        else:
+            if flat is None:
+                from specserve.engine.flat_model import FlatModel
+
+                model = models.load_model(path, device, dtype)
+                flat = FlatModel(model)
+            started = time.perf_counter()
+            output = greedy(flat, prompt, tokens, eos_ids(model, tokenizer))
+            saved.write_text(json.dumps(output))
+            print(
+                f"target output {row['question_id']} ({row['category']}): {len(output)} tokens "
+                f"in {time.perf_counter() - started:.1f} s",
+                flush=True,
+            )
+        pairs.append((prompt, output))
+    return pairs, version
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+@torch.inference_mode()
+def greedy(flat, prompt: list[int], tokens: int, eos: set[int]) -> list[int]:
+    from specserve.engine.flat_model import Segment
+
+    kv = flat.new_kv()
+    try:
+        (rows,) = flat.forward([Segment(kv, prompt)])
+        out: list[int] = []
+        while len(out) < tokens:
+            out.append(int(rows[-1].argmax()))
+            if out[-1] in eos:
+                break
+            (rows,) = flat.forward([Segment(kv, [out[-1]])])
+        return out
+    finally:
+        kv.free()
+
+
+# --- the proposers --------------------------------------------------------------------------
+class PromptLookup:
+    """Hugging Face's prompt lookup rule: the latest earlier occurrence of the history's last
+    `ngram` tokens (2, then 1), and the `depth` tokens after it, as a chain."""
+
+    def __init__(self, depth: int = 10, ngram: int = 2):
+        self.depth, self.ngram = depth, ngram
+
+    def propose(self, jobs):
+        from specserve.common.tree import DraftTree
+
+        trees = []
+        for job in jobs:
+            tree, tokens = DraftTree(model_free=True), job.tokens
+            for n in range(min(self.ngram, len(tokens) - 1), 0, -1):
+                tail = tokens[-n:]
+                start = next(
+                    (i for i in range(len(tokens) - n - 1, -1, -1) if tokens[i : i + n] == tail),
+                    None,
+                )
+                if start is not None:
+                    parent = -1
+                    for token in tokens[start + n : start + n + self.depth]:
+                        parent = tree.add(token, parent)
+                    break
+            trees.append(tree)
+        return trees
+
+    def forget(self, seq_id):
+        pass
+
+    def learn(self, tenant, tokens, prompt_len):
+        pass
+
+
+def make_proposer(name: str, dtype: str, device: str):
+    from specserve.common.proposers.base import TreeShape
+    from specserve.common.proposers.ngram import NgramProposer
+    from specserve.common.proposers.suffix import SuffixProposer
+    from specserve.common.settings import DrafterSettings
+
+    section = yaml.safe_load(DEFAULT_CONFIG.read_text())["drafter"]
+    settings = DrafterSettings(**{k: v for k, v in section.items() if k != "port"})
+    settings = settings.model_copy(update={"device": device, "dtype": dtype})
+    if name == "suffix":
+        return SuffixProposer.from_settings(settings)
+    if name == "ngram":
+        return NgramProposer(TreeShape(max_depth=10))
+    if name == "prompt_lookup":
+        return PromptLookup()
+    from specserve.drafter import draft_model
+    from specserve.drafter.hybrid import HybridProposer
+
+    shape = {"chain": (6, 1, 1), "tree": (6, 2, 4), "hybrid": (6, 1, 1)}[name]
+    settings = settings.model_copy(
+        update=dict(zip(("max_depth", "branching", "width"), shape, strict=True))
+    )
+    settings = draft_model.with_dtype(settings)
+    if name == "hybrid":
+        return HybridProposer.from_settings(settings)
+    return draft_model.DraftModelProposer.from_settings(settings)
+
+
+def accepted(tree, reference: list[int]) -> int:
+    """How many of `reference`'s tokens the tree's paths follow from its root."""
+    children: dict[int, dict[int, int]] = defaultdict(dict)
+    for node, (token, parent) in enumerate(zip(tree.token_ids, tree.parents, strict=True)):
+        children[parent].setdefault(token, node)
+    node, count = -1, 0
+    while count < len(reference) and (node := children[node].get(reference[count], -2)) != -2:
+        count += 1
+    return count
+
+
+def replay(proposer, name: str, prompt: list[int], output: list[int], qid: int) -> dict:
+    from specserve.common.proposers.base import DraftJob
+
+    seq_id = f"{name}-{qid}"
+    budget = 16 if name == "tree" else MODEL_BUDGET
+    steps = drafted = 0
+    position = 0
+    while position < len(output):
+        job = DraftJob(seq_id, prompt + output[:position], budget, deep_budget=DEEP_BUDGET)
+        tree = proposer.propose([job])[0]
+        drafted += len(tree)
+        position += accepted(tree, output[position:]) + 1  # (and the target's own token)
+        steps += 1
+    proposer.forget(seq_id)
+    proposer.learn("", prompt + output, len(prompt))
+    return {"steps": steps, "tokens": len(output), "drafted": drafted}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--per-category", type=int, default=2, help="questions per category")
+    p.add_argument("--tokens", type=int, default=128, help="target output tokens per question")
+    p.add_argument("--dtype", default="auto", help="of the target and the draft model")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--proposers", default=",".join(PROPOSERS))
+    p.add_argument("--workload", type=Path, default=WORKLOAD)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    names = args.proposers.split(",")
+    unknown = set(names) - set(PROPOSERS)
+    if unknown:
+        p.error(f"unknown proposers {sorted(unknown)}; choose from {', '.join(PROPOSERS)}")
+    rows = questions(args.workload, args.per_category)
+    pairs, version = target_outputs(rows, args.tokens, args.dtype, args.device)
+    results: dict[str, dict] = {}
+    for name in names:
+        proposer = make_proposer(name, args.dtype, args.device)
+        started = time.perf_counter()
+        by_category: dict[str, list[dict]] = defaultdict(list)
+        for row, (prompt, output) in zip(rows, pairs, strict=True):
+            by_category[row["category"]].append(
+                replay(proposer, name, prompt, output, row["question_id"])
+            )
+        per_category = {
+            category: {
+                "tokens_per_step": round(
+                    sum(r["tokens"] for r in runs) / sum(r["steps"] for r in runs), 3
+                ),
+                "drafted_per_step": round(
+                    sum(r["drafted"] for r in runs) / sum(r["steps"] for r in runs), 2
+                ),
+                "questions": len(runs),
+            }
+            for category, runs in by_category.items()
+        }
+        mean = statistics.mean(c["tokens_per_step"] for c in per_category.values())
+        results[name] = {"mean_tokens_per_step": round(mean, 3), "categories": per_category}
+        print(
+            f"{name:>14}: {mean:.2f} tokens/step "
+            f"({time.perf_counter() - started:.0f} s) "
+            + " ".join(f"{c}={v['tokens_per_step']}" for c, v in per_category.items()),
+            flush=True,
+        )
+        del proposer
+    record = {
+        "command": f"python -m benchmarks.acceptance --per-category {args.per_category} "
+        f"--tokens {args.tokens} --dtype {args.dtype} --proposers {args.proposers}",
+        "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "target_version": version,
+        "questions": [r["question_id"] for r in rows],
+        "budgets": {"draft_model": MODEL_BUDGET, "tree": 16, "model_free": DEEP_BUDGET},
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "acceptance.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot(results, args.out / "acceptance.png")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = sorted({c for r in results.values() for c in r["categories"]})
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / max(1, len(results))
+    for i, (name, result) in enumerate(results.items()):
+        values = [result["categories"].get(c, {}).get("tokens_per_step", 0) for c in categories]
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories, rotation=30)
+    ax.set_ylabel("tokens per step (accepted + 1)")
+    ax.set_title("Spec-Bench replayed against the target's greedy output")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Spec-Bench through the cluster: the default config with speculation on and off, at several
+concurrencies, decode rate and accepted length per category.
+
+    python -m benchmarks.spec_bench [--per-category 1] [--tokens 96] [--concurrency 1,4,16]
+                                    [--dtype auto] [--out benchmarks/results]
+
+The first --per-category questions of each of Spec-Bench's 13 categories
+(`shared/workloads/spec_bench/question.jsonl`), first turn, greedy. For each mode (on: the
+default config, config/specserve.yaml's drafter and adaptive policy with --dtype for target
+and drafter; off: the same cluster config with `speculative_decoding: false`) a fresh cluster
+(its own Redis, verifier, drafter: nothing learned carries from one mode to the other; the
+verifier and drafter sections of config/specserve.yaml, less their ports), then
+for each concurrency c every question is sent with c streams in flight at once (the verifier's
+batch_size is the largest c). Each stream is timed as benchmarks.speculative times one (token
+arrivals at the client): decode tokens/s = tokens after the first / time from the first to
+the last; per category the mean over its streams, and per concurrency the total tokens / wall
+time. Writes <out>/spec_bench.json and <out>/spec_bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import grpc
+import yaml
+
+from specserve.local_cluster import LocalCluster, without_security
+from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+from .acceptance import WORKLOAD, questions
+from .speculative import timing
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config/specserve.yaml"
+
+
+def stream(stub, prompt: str, tokens: int) -> dict:
+    req = generation_pb2.GenerateRequest(
+        max_tokens=tokens,
+        speculation=common_pb2.SpeculationOptions(mode=common_pb2.SPECULATION_MODE_AUTO),
+    )
+    req.messages.messages.add(role="user", content=prompt)
+    arrivals, final, count = [], None, 0
+    started = time.perf_counter()
+    for chunk in stub.Generate(req, timeout=3600):
+        if chunk.token_ids:
+            count += len(chunk.token_ids)
+            arrivals.append((time.perf_counter(), count))
+        if chunk.HasField("final"):
+            final = chunk.final
+    return timing(started, arrivals) | {
+        "mean_accepted_length": round(final.speculation.mean_accepted_length, 2),
+        "target_version": final.model_version,
+    }
+
+
+def run_mode(speculate: bool, rows: list[dict], args) -> dict:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    default = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    verifier, drafter = (
+        {k: v for k, v in default[section].items() if k not in ("port", "drafter_addresses")}
+        for section in ("verifier", "drafter")
+    )
+    config = {
+        "verifier": verifier
+        | {
+            "dtype": args.dtype,
+            "batch_size": max(levels),
+            "interactive_reserved_slots": 0,
+            "speculative_decoding": speculate,
+            "draft_timeout_seconds": 60,
+        },
+        "drafter": drafter | {"dtype": args.dtype},
+    }
+    services = ("scheduler", "verifier", "gateway") + (("drafter",) if speculate else ())
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(without_security(config), Path(tmp))
+        try:
+            cluster.start(timeout=900, services=services)
+            with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                stream(stub, "Say hi.", 8)  # (warm-up; and the drafter connected)
+                for c in levels:
+                    started = time.perf_counter()
+                    with cf.ThreadPoolExecutor(c) as pool:
+                        results = list(
+                            pool.map(lambda r: stream(stub, r["turns"][0], args.tokens), rows)
+                        )
+                    wall = time.perf_counter() - started
+                    by_category = defaultdict(list)
+                    for row, r in zip(rows, results, strict=True):
+                        by_category[row["category"]].append(r)
+                    out[str(c)] = {
+                        "tokens_per_s_total": round(sum(r["tokens"] for r in results) / wall, 2),
+                        "categories": {
+                            category: {
+                                "decode_tokens_per_s": round(
+                                    statistics.mean(r["decode_tokens_per_s"] or 0 for r in rs), 2
+                                ),
+                                "mean_accepted_length": round(
+                                    statistics.mean(r["mean_accepted_length"] for r in rs), 2
+                                ),
+                                "ttft_ms": round(statistics.mean(r["ttft_ms"] for r in rs)),
+                            }
+                            for category, rs in by_category.items()
+                        },
+                        "target_version": results[0]["target_version"],
+                    }
+                    print(
+                        f"speculation {'on' if speculate else 'off'}, concurrency {c}: "
+                        f"{out[str(c)]['tokens_per_s_total']} tokens/s in all",
+                        flush=True,
+                    )
+        finally:
+            cluster.stop()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--per-category", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--dtype", default="auto", help="target and drafter")
+    p.add_argument("--workload", type=Path, default=WORKLOAD)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    rows = questions(args.workload, args.per_category)
+    modes = {"off": run_mode(False, rows, args), "on": run_mode(True, rows, args)}
+    for c, on in modes["on"].items():
+        off = modes["off"][c]
+        on["speedup_total"] = round(on["tokens_per_s_total"] / off["tokens_per_s_total"], 3)
+        for category, row in on["categories"].items():
+            base = off["categories"][category]["decode_tokens_per_s"]
+            row["speedup"] = round(row["decode_tokens_per_s"] / base, 3) if base else None
+        print(
+            f"concurrency {c}: {on['speedup_total']}x in all; by category "
+            + " ".join(f"{k}={v['speedup']}" for k, v in on["categories"].items()),
+            flush=True,
+        )
+    record = {
+        "command": f"python -m benchmarks.spec_bench --per-category {args.per_category} "
+        f"--tokens {args.tokens} --concurrency {args.concurrency} --dtype {args.dtype}",
+        "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "questions": [r["question_id"] for r in rows],
+        "modes": modes,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "spec_bench.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot(modes, args.out / "spec_bench.png")
+
+
+def plot(modes: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = list(modes["on"])
+    fig, axes = plt.subplots(1, len(levels), figsize=(5 * len(levels), 4.5), squeeze=False)
+    for ax, c in zip(axes[0], levels, strict=True):
+        categories = sorted(modes["on"][c]["categories"])
+        for i, mode in enumerate(("off", "on")):
+            values = [modes[mode][c]["categories"][k]["decode_tokens_per_s"] for k in categories]
+            ax.bar([x + i * 0.4 for x in range(len(categories))], values, 0.4, label=mode)
+        ax.set_xticks([x + 0.2 for x in range(len(categories))], categories, rotation=45)
+        ax.set_title(f"concurrency {c}: {modes['on'][c]['speedup_total']}x in all")
+        ax.set_ylabel("decode tokens/s per stream")
+        ax.legend(title="speculation", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
