@@ -205,3 +205,17 @@ def test_the_acceptance_replay_accepts_what_a_tree_path_follows():
     assert chain.token_ids == [4, 9, 9] and chain.parents == [-1, 0, 1]
     (none,) = PromptLookup().propose([DraftJob("s", [1, 2, 3], 3)])
     assert len(none) == 0
+
+
+def test_a_model_free_tree_that_rarely_matches_is_not_asked_for():
+    """Expected tokens scale with the share of asks that found a match, and the drafter's
+    round trip counts where only the model-free tree would ask it; a probe asks anyway."""
+    policy = AdaptivePolicy(8)
+    policy.cost.calibrate(INT4_PROFILE)
+    policy.steps = 1
+    rate = 1 / 0.058
+    assert policy.deep_budgets([Candidate(64, 0.6, hit=1.0)], rate, [1], [0.002])[0] > 0
+    assert policy.deep_budgets([Candidate(64, 0.6, hit=0.1)], rate, [1], [0.002]) == [0]
+    assert policy.deep_budgets([Candidate(64, 0.6, hit=1.0)], rate, [1], [0.05]) == [0]
+    policy.steps = PROBE_EVERY
+    assert policy.deep_budgets([Candidate(64, 0.6, hit=0.1)], rate, [1], [0.002])[0] > 0

@@ -81,6 +81,7 @@ class CostModel:
         self.coef = Coefficients()
         self.per_token_known = False  # b was fitted from steps of two sizes or more
         self.profile: dict[int, float] = {}  # verify seconds by tokens (calibrated, then followed)
+        self.round_trip = 0.0  # seconds a step waits for model-free trees alone (moving average)
         self._points: tuple[np.ndarray, np.ndarray] | None = None  # the profile, sorted
         self._since_fit = 0
 
@@ -116,6 +117,10 @@ class CostModel:
         else:
             out = c.a + c.b * n
         return out if n.ndim else float(out)
+
+    def observe_round_trip(self, seconds: float) -> None:
+        """A step that asked the drafters for model-free trees alone waited `seconds`."""
+        self.round_trip += VERIFY_EWMA * (seconds - self.round_trip)
 
     def observe_draft(self, levels: int, seqs: int, seconds: float) -> None:
         if levels > 0:
@@ -183,6 +188,7 @@ class Candidate:
     cap: int  # most nodes it may get (room left, request limit); 0: not speculating
     alpha: float  # estimated per-token acceptance
     pinned: bool = False  # the request fixed its tree size: it gets cap
+    hit: float = 1.0  # model-free: the share of asks that found a match (a tree at all)
 
 
 class AdaptivePolicy:
@@ -209,18 +215,25 @@ class AdaptivePolicy:
                 self.service_alpha += 0.02 * (rate - self.service_alpha)
 
     def deep_budgets(
-        self, candidates: list[Candidate], rate: float, tokens: list[int] | None = None
+        self,
+        candidates: list[Candidate],
+        rate: float,
+        tokens: list[int] | None = None,
+        asking: list[float] | None = None,
     ) -> list[int]:
         """Budgets of model-free trees, which cost no draft pass, only their verification: per
-        sequence the depth k whose expected extra tokens (alpha + ... + alpha^k) most exceed
-        what the step's `rate` loses in the time k nodes add to the pass (of `tokens[i]`
-        tokens without them; with a linear cost, the deepest k with alpha^k >= b x rate). On
-        a probe step the candidates are priced at EXPLORE_ALPHA or better."""
+        sequence the depth k whose expected extra tokens (hit x (alpha + ... + alpha^k), hit
+        the share of asks that found a match) most exceed what the step's `rate` loses in the
+        time k nodes add to the pass (of `tokens[i]` tokens without them; with a linear cost,
+        the deepest k with alpha^k >= b x rate) and in `asking[i]` (the drafter's round trip,
+        where only this tree would ask it), if that is at least MARGIN tokens. On a probe step
+        the candidates are priced at EXPLORE_ALPHA or better, and as if every ask matched."""
         if not self.cost.known:  # b = 0 only stands for "not measured yet"
             return [c.cap if c.pinned else min(c.cap, self.max_budget) for c in candidates]
         budgets = []
         for i, c in enumerate(candidates):
             alpha = max(c.alpha, EXPLORE_ALPHA) if self.probing else c.alpha
+            hit = 1.0 if self.probing else c.hit
             base = tokens[i] if tokens else 1
             if c.pinned or c.cap == 0:
                 budgets.append(c.cap)
@@ -231,9 +244,10 @@ class AdaptivePolicy:
             else:
                 gain = alpha * (1.0 - alpha**ks) / (1.0 - alpha)  # alpha + ... + alpha^k
             added = self.cost.verify_seconds(base + ks) - self.cost.verify_seconds(base)
-            net = gain - rate * added  # tokens the step gains, net of the time it loses
+            net = hit * gain - rate * added  # tokens the step gains, net of the time it loses
             k = int(np.flatnonzero(net >= net.max() - 1e-12)[-1])
-            budgets.append(k if net[k] >= MARGIN else 0)
+            ask = rate * asking[i] if asking else 0.0
+            budgets.append(k if net[k] - ask >= MARGIN else 0)
         return budgets
 
     def budgets(self, candidates: list[Candidate], other_tokens: int) -> list[int]:

@@ -126,13 +126,16 @@ class Speculator:
                 cap,
                 explored(policy.alpha(s.free_accepted, s.free_tested, True), s.free_tested),
                 pin,
+                (s.free_matched + 1) / (s.free_asked + 1),  # (1 before the first ask)
             )
             for s, cap, pin in zip(seqs, deep_caps, pinned, strict=True)
         ]
-        # Each model-free tree in a pass of the others' tokens (it replaces its draft-model tree)
+        # Each model-free tree in a pass of the others' tokens (it replaces its draft-model
+        # tree); the drafter's round trip is its own where no draft-model tree asks anyway.
         tokens = other_tokens + sum(1 + k for k in ks)
         rate = policy.rate(model, ks, other_tokens)
-        deep = policy.deep_budgets(free, rate, [tokens - k for k in ks])
+        asking = [0.0] * len(ks) if any(ks) else [policy.cost.round_trip] * len(ks)
+        deep = policy.deep_budgets(free, rate, [tokens - k for k in ks], asking)
         return list(zip(ks, deep, strict=True))
 
     def calibrate(self, time_pass, most_tokens: int) -> dict[int, float]:
@@ -196,10 +199,18 @@ class Speculator:
             # context first: not steady either.
             first = any(k and not s.drawn_tested for s, (k, _) in zip(seqs, budgets, strict=True))
             steady = self.sync.largest_delta <= self.tree_size + 1 and not first
+            seconds = time.perf_counter() - started
+            alone = [k == 0 and deep > 0 for k, deep in budgets]  # a model-free tree alone
+            for seq, asked, tree in zip(seqs, alone, trees, strict=True):
+                if asked and tree is not None:
+                    seq.free_asked += 1
+                    seq.free_matched += len(tree) > 0
             if self.policy is not None and steady and all(t is not None for t in trees):
+                if not any(k for k, _ in budgets):
+                    self.policy.cost.observe_round_trip(seconds)
                 drawn = [k for (k, _), t in zip(budgets, trees, strict=True) if not t.model_free]
                 self.policy.cost.observe_draft(
-                    max(drawn, default=0), sum(k > 0 for k in drawn), time.perf_counter() - started
+                    max(drawn, default=0), sum(k > 0 for k in drawn), seconds
                 )
         for i, (seq, budget) in enumerate(zip(seqs, budgets, strict=True)):
             if trees[i] is None:  # the fallback's n-gram trees are model-free: the larger
