@@ -11,15 +11,18 @@ and then the deep budgets (`deep_budgets`: as deep as a node still pays for its 
   smoothed towards the service-wide rate): 1 + alpha + ... + alpha^k.
 - Step time, from a cost model of this verifier's own measured steps. Verify time by the
   tokens in the forward pass is a measured profile: each token count timed at start
-  (`calibrate`, one pass each on the model itself) and then followed by every step of that
-  count (a moving average, so a growing context is tracked); counts between two measured ones
-  are interpolated, and past the largest, the least-squares line over a window of recent steps
-  (verify = a + b * tokens) gives the slope. A profile, not a line, because a quantised kernel
-  prices rows in blocks: the int4 default target took 58 ms for 1 token, 97 ms for 4 and
-  178 ms for 5 on this CPU. Drafting, when any sequence drafts, = e + levels * (c + d *
-  drafting sequences), with levels = the largest budget (least squares). Steps that prefill
-  are left out of the verify fit, and steps where a drafter took in a whole prompt out of the
-  draft fit: both costs come once per request, not per node.
+  (`calibrate`, on the model itself; counts between two measured ones interpolated, past the
+  largest the last two's slope), times a scale that every step moves (a moving average of
+  its time over the profile's: other processes on the same cores, a longer context). A
+  profile, not a line, because a quantised kernel prices rows in blocks: the int4 default
+  target took 58 ms for 1 token, 97 ms for 4 and 178 ms for 5 on this CPU; a scale, not an
+  average per count, because steps of one count (plain decoding) would move that count alone
+  (its 56 ms became 94 ms over one 128-token stream through the cluster, with the drafter
+  and gateway on the same two cores, and a tree of 2 looked free). Drafting, when any
+  sequence drafts, = e + levels * (c + d * drafting sequences), with levels = the largest
+  budget (least squares). Steps that prefill are left out of the verify fit, and steps where
+  a drafter took in a whole prompt out of the draft fit: both costs come once per request,
+  not per node.
 
 The search tries every common cap K from 0 to the configured size; under each, sequences whose
 expected gain is worth less than the time their nodes add to the step drop to 0. K = 0 is
@@ -46,7 +49,7 @@ PRIOR_WEIGHT = 4.0  # tested draft tokens the service-wide rate counts as, per s
 REFIT_EVERY = 16  # observations between refits
 PROBE_EVERY = 64  # steps: one in this many prices drafts optimistically, to measure them again
 EXPLORE_ALPHA = 0.8  # the acceptance a sequence not yet measured (or probed) is priced at
-VERIFY_EWMA = 0.2  # weight of a step's time in its token count's profile entry
+VERIFY_EWMA = 0.2  # weight of a step in the profile's scale and the round trip
 OUTLIER = 3.0  # a draft step over this many times the usual time per level is left out
 # Speculation must be expected to beat plain decoding by this share of its rate (a model-free
 # tree: to gain this many tokens net of its time): what the cost model does not see (a draft
@@ -80,13 +83,14 @@ class CostModel:
         self.draft: deque[tuple[int, int, float]] = deque(maxlen=draft_window)
         self.coef = Coefficients()
         self.per_token_known = False  # b was fitted from steps of two sizes or more
-        self.profile: dict[int, float] = {}  # verify seconds by tokens (calibrated, then followed)
+        self.profile: dict[int, float] = {}  # verify seconds by tokens, timed at start
+        self.scale = 1.0  # passes now against the profile (other load, a longer context)
         self.round_trip = 0.0  # seconds a step waits for model-free trees alone (moving average)
         self._points: tuple[np.ndarray, np.ndarray] | None = None  # the profile, sorted
         self._since_fit = 0
 
     def calibrate(self, seconds_by_tokens: dict[int, float]) -> None:
-        """Verify times measured at start, by the tokens of the pass (the profile's seed)."""
+        """Verify times measured at start, by the tokens of the pass: the profile's shape."""
         self.profile.update(seconds_by_tokens)
         self._points = None
         for tokens, seconds in seconds_by_tokens.items():
@@ -95,28 +99,33 @@ class CostModel:
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify.append((tokens, seconds))
-        if tokens in self.profile:
-            self.profile[tokens] += VERIFY_EWMA * (seconds - self.profile[tokens])
-            self._points = None
+        if self.profile:
+            self.scale += VERIFY_EWMA * (seconds / float(self._shape(tokens)) - self.scale)
         self._observed()
 
     def verify_seconds(self, tokens: int | np.ndarray) -> float | np.ndarray:
         """A forward pass's time for `tokens` tokens (an int, or an array of counts)."""
-        c = self.coef
         n = np.asarray(tokens, dtype=np.float64)
         if self.profile:
-            if self._points is None:
-                counts = sorted(self.profile)
-                self._points = (
-                    np.array(counts, dtype=np.float64),
-                    np.array([self.profile[k] for k in counts]),
-                )
-            counts, times = self._points
-            past = times[-1] + c.b * (n - counts[-1])
-            out = np.where(n > counts[-1], past, np.interp(n, counts, times))
+            out = self.scale * self._shape(n)
         else:
-            out = c.a + c.b * n
+            out = self.coef.a + self.coef.b * n
         return out if n.ndim else float(out)
+
+    def _shape(self, n) -> np.ndarray:
+        """The profile at `n` tokens: interpolated between measured counts, and past the
+        largest extended by the slope of its last two."""
+        if self._points is None:
+            counts = sorted(self.profile)
+            self._points = (
+                np.array(counts, dtype=np.float64),
+                np.array([self.profile[k] for k in counts]),
+            )
+        counts, times = self._points
+        n = np.asarray(n, dtype=np.float64)
+        slope = (times[-1] - times[-2]) / (counts[-1] - counts[-2]) if len(counts) > 1 else 0.0
+        past = times[-1] + max(slope, 0.0) * (n - counts[-1])
+        return np.where(n > counts[-1], past, np.interp(n, counts, times))
 
     def observe_round_trip(self, seconds: float) -> None:
         """A step that asked the drafters for model-free trees alone waited `seconds`."""
