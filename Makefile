@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto proto-check models run test test-fast test-long bench bench-load bench-kv bench-learn bench-tp bench-scale bench-http bench-engine gpu-check gpu-bundle lint \
+.PHONY: setup install proto proto-check models run test test-fast test-long bench bench-load bench-kv bench-learn bench-spec bench-tp bench-scale bench-http bench-engine gpu-check gpu-bundle lint \
 	clean image image-gpu image-models k8s-secrets k8s-render
 
 setup: install proto models
@@ -94,6 +94,13 @@ bench-learn: setup
 	$(PY) -m benchmarks.speculative --dtype $(BENCH_DTYPE) --device $(BENCH_DEVICE) \
 		--only "chain 6" "ngram 10" suffix default prompt_lookup
 	$(PY) -m benchmarks.agentic --dtype $(BENCH_DTYPE) --device $(BENCH_DEVICE)
+
+# Spec-Bench (../shared/workloads): the default config (dtype auto) with speculation on and off
+# through the cluster at concurrency 1, 4 and 16; then each proposer's tokens per step replayed
+# against the target's cached greedy output (README "The default config on this CPU").
+bench-spec: setup
+	$(PY) -m benchmarks.spec_bench --per-category 1 --tokens 96 --concurrency 1,4,16
+	$(PY) -m benchmarks.acceptance --per-category 2 --tokens 128
 
 # The default target over 2 ranks x 1 thread against 1 rank x 2 threads (README "Tensor
 # parallelism"); BENCH_DEVICE=cuda on a machine with 2 GPUs.

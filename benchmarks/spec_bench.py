@@ -5,16 +5,17 @@ concurrencies, decode rate and accepted length per category.
                                     [--dtype auto] [--out benchmarks/results]
 
 The first --per-category questions of each of Spec-Bench's 13 categories
-(`shared/workloads/spec_bench/question.jsonl`), first turn, greedy. For each mode (on: the
-default config, config/specserve.yaml's drafter and adaptive policy with --dtype for target
-and drafter; off: the same cluster config with `speculative_decoding: false`) a fresh cluster
-(its own Redis, verifier, drafter: nothing learned carries from one mode to the other; the
-verifier and drafter sections of config/specserve.yaml, less their ports), then
-for each concurrency c every question is sent with c streams in flight at once (the verifier's
-batch_size is the largest c). Each stream is timed as benchmarks.speculative times one (token
-arrivals at the client): decode tokens/s = tokens after the first / time from the first to
-the last; per category the mean over its streams, and per concurrency the total tokens / wall
-time. Writes <out>/spec_bench.json and <out>/spec_bench.png.
+(`shared/workloads/spec_bench/question.jsonl`), first turn, greedy, through one cluster of
+config/specserve.yaml's verifier and drafter sections (less their ports; --dtype for target
+and drafter; the verifier's batch_size the largest concurrency; its prefix cache off, since
+each prompt is sent once per mode). Speculation off is the same
+cluster with each request's `speculation.mode = OFF`: it never reaches the drafter, so the
+drafter learns nothing from it, and on and off alternate group by group (see `run`), so a
+machine whose speed drifts by 10% between minutes (this one) moves both alike. Each stream is
+timed as benchmarks.speculative times one (token arrivals at the client): decode tokens/s =
+tokens after the first / time from the first to the last; per category the mean over its
+streams, and per concurrency the tokens of all streams over the time their groups took.
+Writes <out>/spec_bench.json and <out>/spec_bench.png.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ from .speculative import timing
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config/specserve.yaml"
 
 
-def stream(stub, prompt: str, tokens: int) -> dict:
+MODES = {"off": common_pb2.SPECULATION_MODE_OFF, "on": common_pb2.SPECULATION_MODE_AUTO}
+
+
+def stream(stub, prompt: str, tokens: int, mode: int = common_pb2.SPECULATION_MODE_AUTO) -> dict:
     req = generation_pb2.GenerateRequest(
-        max_tokens=tokens,
-        speculation=common_pb2.SpeculationOptions(mode=common_pb2.SPECULATION_MODE_AUTO),
+        max_tokens=tokens, speculation=common_pb2.SpeculationOptions(mode=mode)
     )
     req.messages.messages.add(role="user", content=prompt)
     arrivals, final, count = [], None, 0
@@ -60,67 +63,88 @@ def stream(stub, prompt: str, tokens: int) -> dict:
     }
 
 
-def run_mode(speculate: bool, rows: list[dict], args) -> dict:
-    levels = [int(c) for c in args.concurrency.split(",")]
+def cluster_config(levels: list[int], dtype: str) -> dict:
+    """config/specserve.yaml's verifier and drafter sections, less their ports, with `dtype`
+    and a batch for the largest concurrency."""
     default = yaml.safe_load(DEFAULT_CONFIG.read_text())
     verifier, drafter = (
         {k: v for k, v in default[section].items() if k not in ("port", "drafter_addresses")}
         for section in ("verifier", "drafter")
     )
-    config = {
+    return {
         "verifier": verifier
         | {
-            "dtype": args.dtype,
+            "dtype": dtype,
             "batch_size": max(levels),
             "interactive_reserved_slots": 0,
-            "speculative_decoding": speculate,
             "draft_timeout_seconds": 60,
+            # Off: the same prompt goes once per mode, and a cached prefix would spare the
+            # second its prefill (and the steps it shares with other streams).
+            "prefix_cache": False,
         },
-        "drafter": drafter | {"dtype": args.dtype},
+        "drafter": drafter | {"dtype": dtype},
     }
-    services = ("scheduler", "verifier", "gateway") + (("drafter",) if speculate else ())
-    out: dict[str, dict] = {}
+
+
+def run(rows: list[dict], args) -> dict:
+    """Per concurrency c, the questions in groups of c: each group's c streams sent at once
+    with speculation off, then the same with it on, group after group (so both modes see the
+    same moments of a noisy machine). Per mode and c: each stream's figures by category, and
+    the tokens of all its streams over the time its groups took."""
+    levels = [int(c) for c in args.concurrency.split(",")]
+    out: dict[str, dict] = {"off": {}, "on": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(without_security(config), Path(tmp))
+        cluster = LocalCluster(without_security(cluster_config(levels, args.dtype)), Path(tmp))
         try:
-            cluster.start(timeout=900, services=services)
+            cluster.start(timeout=900)
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
                 stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 stream(stub, "Say hi.", 8)  # (warm-up; and the drafter connected)
                 for c in levels:
-                    started = time.perf_counter()
-                    with cf.ThreadPoolExecutor(c) as pool:
-                        results = list(
-                            pool.map(lambda r: stream(stub, r["turns"][0], args.tokens), rows)
+                    results = {mode: [] for mode in MODES}
+                    walls = dict.fromkeys(MODES, 0.0)
+                    for start in range(0, len(rows), c):
+                        group = rows[start : start + c]
+                        for mode, value in MODES.items():
+                            started = time.perf_counter()
+                            with cf.ThreadPoolExecutor(len(group)) as pool:
+                                results[mode] += pool.map(
+                                    lambda r, v=value: stream(stub, r["turns"][0], args.tokens, v),
+                                    group,
+                                )
+                            walls[mode] += time.perf_counter() - started
+                    for mode in MODES:
+                        out[mode][str(c)] = summary(rows, results[mode], walls[mode])
+                        print(
+                            f"speculation {mode}, concurrency {c}: "
+                            f"{out[mode][str(c)]['tokens_per_s_total']} tokens/s in all",
+                            flush=True,
                         )
-                    wall = time.perf_counter() - started
-                    by_category = defaultdict(list)
-                    for row, r in zip(rows, results, strict=True):
-                        by_category[row["category"]].append(r)
-                    out[str(c)] = {
-                        "tokens_per_s_total": round(sum(r["tokens"] for r in results) / wall, 2),
-                        "categories": {
-                            category: {
-                                "decode_tokens_per_s": round(
-                                    statistics.mean(r["decode_tokens_per_s"] or 0 for r in rs), 2
-                                ),
-                                "mean_accepted_length": round(
-                                    statistics.mean(r["mean_accepted_length"] for r in rs), 2
-                                ),
-                                "ttft_ms": round(statistics.mean(r["ttft_ms"] for r in rs)),
-                            }
-                            for category, rs in by_category.items()
-                        },
-                        "target_version": results[0]["target_version"],
-                    }
-                    print(
-                        f"speculation {'on' if speculate else 'off'}, concurrency {c}: "
-                        f"{out[str(c)]['tokens_per_s_total']} tokens/s in all",
-                        flush=True,
-                    )
         finally:
             cluster.stop()
     return out
+
+
+def summary(rows: list[dict], results: list[dict], wall: float) -> dict:
+    by_category = defaultdict(list)
+    for row, r in zip(rows, results, strict=True):
+        by_category[row["category"]].append(r)
+    return {
+        "tokens_per_s_total": round(sum(r["tokens"] for r in results) / wall, 2),
+        "categories": {
+            category: {
+                "decode_tokens_per_s": round(
+                    statistics.mean(r["decode_tokens_per_s"] or 0 for r in rs), 2
+                ),
+                "mean_accepted_length": round(
+                    statistics.mean(r["mean_accepted_length"] for r in rs), 2
+                ),
+                "ttft_ms": round(statistics.mean(r["ttft_ms"] for r in rs)),
+            }
+            for category, rs in by_category.items()
+        },
+        "target_version": results[0]["target_version"],
+    }
 
 
 def main() -> None:
@@ -133,7 +157,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     rows = questions(args.workload, args.per_category)
-    modes = {"off": run_mode(False, rows, args), "on": run_mode(True, rows, args)}
+    modes = run(rows, args)
     for c, on in modes["on"].items():
         off = modes["off"][c]
         on["speedup_total"] = round(on["tokens_per_s_total"] / off["tokens_per_s_total"], 3)
