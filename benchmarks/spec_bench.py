@@ -9,9 +9,10 @@ The first --per-category questions of each of Spec-Bench's 13 categories
 config/specserve.yaml's verifier and drafter sections (less their ports; --dtype for target
 and drafter; the verifier's batch_size the largest concurrency; its prefix cache off, since
 each prompt is sent once per mode). Speculation off is the same
-cluster with each request's `speculation.mode = OFF`: it never reaches the drafter, so the
-drafter learns nothing from it, and on and off alternate group by group (see `run`), so a
-machine whose speed drifts by 10% between minutes (this one) moves both alike. Each stream is
+cluster with each request's `speculation.mode = OFF`, and on and off alternate group by group,
+on first (see `run`): a machine whose speed drifts by 10% between minutes (this one) moves
+both alike, and no stream with speculation on comes after its own prompt's plain answer
+(which the drafter learns, as it learns every completed output of the tenant). Each stream is
 timed as benchmarks.speculative times one (token arrivals at the client): decode tokens/s =
 tokens after the first / time from the first to the last; per category the mean over its
 streams, and per concurrency the tokens of all streams over the time their groups took.
@@ -41,7 +42,10 @@ from .speculative import timing
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config/specserve.yaml"
 
 
-MODES = {"off": common_pb2.SPECULATION_MODE_OFF, "on": common_pb2.SPECULATION_MODE_AUTO}
+# On first in each group: the drafter learns every completed output of the tenant (plain ones
+# too), so a stream with speculation on after the same prompt's plain one would draft its own
+# answer back. After the group's on streams, the plain ones learn nothing they could use.
+MODES = {"on": common_pb2.SPECULATION_MODE_AUTO, "off": common_pb2.SPECULATION_MODE_OFF}
 
 
 def stream(stub, prompt: str, tokens: int, mode: int = common_pb2.SPECULATION_MODE_AUTO) -> dict:
@@ -88,7 +92,7 @@ def cluster_config(levels: list[int], dtype: str) -> dict:
 
 def run(rows: list[dict], args) -> dict:
     """Per concurrency c, the questions in groups of c: each group's c streams sent at once
-    with speculation off, then the same with it on, group after group (so both modes see the
+    with speculation on, then the same with it off, group after group (so both modes see the
     same moments of a noisy machine). Per mode and c: each stream's figures by category, and
     the tokens of all its streams over the time its groups took."""
     levels = [int(c) for c in args.concurrency.split(",")]
