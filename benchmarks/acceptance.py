@@ -82,10 +82,12 @@ def target_outputs(rows: list[dict], tokens: int, dtype: str, device: str) -> tu
     model = flat = None
     pairs = []
     for row in rows:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["turns"][0]}], add_generation_prompt=True
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["turns"][0]}],
+            add_generation_prompt=True,
+            tokenize=False,
         )
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        prompt = tokenizer(text).input_ids
         saved = cache / f"{row['question_id']}_{tokens}.json"
         if saved.exists():
             output = json.loads(saved.read_text())
