@@ -4,11 +4,11 @@ concurrencies, decode rate and accepted length per category.
     python -m benchmarks.spec_bench [--per-category 1] [--tokens 96] [--concurrency 1,4,16]
                                     [--dtype auto] [--out benchmarks/results]
 
-The first --per-category questions of each of Spec-Bench's 13 categories
-(`shared/workloads/spec_bench/question.jsonl`), first turn, greedy, through one cluster of
-config/specserve.yaml's verifier and drafter sections (less their ports; --dtype for target
-and drafter; the verifier's batch_size the largest concurrency; its prefix cache off, since
-each prompt is sent once per mode). Speculation off is the same
+For each concurrency its own --per-category questions of each of Spec-Bench's 13 categories
+(`shared/workloads/spec_bench/question.jsonl`, in file order), first turn, greedy, through
+one cluster of config/specserve.yaml's verifier and drafter sections (less their ports;
+--dtype for target and drafter; the verifier's batch_size the largest concurrency; its prefix
+cache off, since each prompt is sent once per mode). Speculation off is the same
 cluster with each request's `speculation.mode = OFF`, and on and off alternate group by group,
 on first (see `run`): a machine whose speed drifts by 10% between minutes (this one) moves
 both alike, and no stream with speculation on comes after its own prompt's plain answer
@@ -90,6 +90,18 @@ def cluster_config(levels: list[int], dtype: str) -> dict:
     }
 
 
+def by_level(rows: list[dict], levels: int) -> list[list[dict]]:
+    """The questions split into `levels` sets, each with its share of every category: a
+    question answered at one concurrency is not asked again at the next (the drafter learns
+    every answer, and would draft a repeated one back)."""
+    seen: dict[str, int] = defaultdict(int)
+    sets: list[list[dict]] = [[] for _ in range(levels)]
+    for row in rows:
+        sets[seen[row["category"]] % levels].append(row)
+        seen[row["category"]] += 1
+    return sets
+
+
 def run(rows: list[dict], args) -> dict:
     """Per concurrency c, the questions in groups of c: each group's c streams sent at once
     with speculation on, then the same with it off, group after group (so both modes see the
@@ -104,11 +116,11 @@ def run(rows: list[dict], args) -> dict:
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
                 stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 stream(stub, "Say hi.", 8)  # (warm-up; and the drafter connected)
-                for c in levels:
+                for c, asked in zip(levels, by_level(rows, len(levels)), strict=True):
                     results = {mode: [] for mode in MODES}
                     walls = dict.fromkeys(MODES, 0.0)
-                    for start in range(0, len(rows), c):
-                        group = rows[start : start + c]
+                    for start in range(0, len(asked), c):
+                        group = asked[start : start + c]
                         for mode, value in MODES.items():
                             started = time.perf_counter()
                             with cf.ThreadPoolExecutor(len(group)) as pool:
@@ -118,7 +130,7 @@ def run(rows: list[dict], args) -> dict:
                                 )
                             walls[mode] += time.perf_counter() - started
                     for mode in MODES:
-                        out[mode][str(c)] = summary(rows, results[mode], walls[mode])
+                        out[mode][str(c)] = summary(asked, results[mode], walls[mode])
                         print(
                             f"speculation {mode}, concurrency {c}: "
                             f"{out[mode][str(c)]['tokens_per_s_total']} tokens/s in all",
@@ -160,7 +172,8 @@ def main() -> None:
     p.add_argument("--workload", type=Path, default=WORKLOAD)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
-    rows = questions(args.workload, args.per_category)
+    levels = len(args.concurrency.split(","))
+    rows = questions(args.workload, args.per_category * levels)
     modes = run(rows, args)
     for c, on in modes["on"].items():
         off = modes["off"][c]
