@@ -4,6 +4,7 @@ produced it would serve the request again."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import pytest
@@ -72,13 +73,7 @@ def test_a_result_replays_only_on_the_dtype_that_produced_it(tiny_cluster, gatew
     submit = scheduler_pb2.SubmitRequest(prompt_ids=ids, max_tokens=8)
     assert r.exists(result_key(result_cache_key(submit, f32)))
 
-    tiny_cluster.start_service(
-        "verifier",
-        {"SPECSERVE_VERIFIER_DTYPE": "bfloat16", "SPECSERVE_VERIFIER_POOL": CANARY},
-        instance="verifier-bf16",
-    )
-    try:
-        tiny_cluster.wait_ready("verifier-bf16", 120)
+    with canary_verifier(tiny_cluster, store, "bfloat16"):
         store.set_canary_share(1.0)
         bf16 = wait_for_canary_version(gateway)
         assert bf16.endswith(f":bfloat16:{DEVICE_KIND}")
@@ -91,9 +86,6 @@ def test_a_result_replays_only_on_the_dtype_that_produced_it(tiny_cluster, gatew
         back = generate(gateway, greedy)
         assert back.final.cached and back.final.model_version == f32
         assert back.ids == first.ids
-    finally:
-        store.set_canary_share(0.0)
-        tiny_cluster.kill("verifier-bf16", signal.SIGTERM)  # drained: leaves the registry
 
 
 @pytest.mark.cluster
@@ -101,13 +93,7 @@ def test_a_verifier_with_dtype_auto_serves_and_names_the_dtype_it_chose(tiny_clu
     """`dtype: auto` is resolved at start: the log says what it chose and why, and the served
     version (registry, GetModelInfo, every final) names that dtype, never "auto"."""
     store = RequestStore.from_url(tiny_cluster.redis_url)
-    tiny_cluster.start_service(
-        "verifier",
-        {"SPECSERVE_VERIFIER_DTYPE": "auto", "SPECSERVE_VERIFIER_POOL": CANARY},
-        instance="verifier-auto",
-    )
-    try:
-        tiny_cluster.wait_ready("verifier-auto", 120)
+    with canary_verifier(tiny_cluster, store, "auto"):
         version = wait_for_canary_version(gateway)
         chosen = version.rsplit(":", 2)[1]
         assert chosen in ("int4", "int8", "bfloat16", "float16", "float32")
@@ -117,9 +103,24 @@ def test_a_verifier_with_dtype_auto_serves_and_names_the_dtype_it_chose(tiny_clu
         store.set_canary_share(1.0)
         reply = generate(gateway, request(prompt_ids=[1, 2, 3], max_tokens=4))
         assert reply.final.model_version == version
+
+
+@contextlib.contextmanager
+def canary_verifier(cluster, store: RequestStore, dtype: str):
+    """A second verifier, in `dtype`, in the canary pool (instance `verifier-<dtype>`); on
+    leaving, the canary's share back to 0 and the verifier drained (it leaves the registry)."""
+    name = f"verifier-{dtype}"
+    cluster.start_service(
+        "verifier",
+        {"SPECSERVE_VERIFIER_DTYPE": dtype, "SPECSERVE_VERIFIER_POOL": CANARY},
+        instance=name,
+    )
+    try:
+        cluster.wait_ready(name, 120)
+        yield
     finally:
         store.set_canary_share(0.0)
-        tiny_cluster.kill("verifier-auto", signal.SIGTERM)
+        cluster.kill(name, signal.SIGTERM)
 
 
 def wait_for_canary_version(gateway, timeout: float = 30) -> str:

@@ -86,12 +86,14 @@ class CostModel:
         self.scale = 1.0  # passes now against the profile (other load, a longer context)
         self.round_trip = 0.0  # seconds a step waits for model-free trees alone (moving average)
         self._points: tuple[np.ndarray, np.ndarray] | None = None  # the profile, sorted
+        self._at: dict[int, float] = {}  # _shape of one count, kept: the search asks often
         self._since_fit = 0
 
     def calibrate(self, seconds_by_tokens: dict[int, float]) -> None:
         """Verify times measured at start, by the tokens of the pass: the profile's shape."""
         self.profile.update(seconds_by_tokens)
         self._points = None
+        self._at.clear()
         for tokens, seconds in seconds_by_tokens.items():
             self.verify.append((tokens, seconds))
         self.fit()
@@ -104,6 +106,10 @@ class CostModel:
 
     def verify_seconds(self, tokens: int | np.ndarray) -> float | np.ndarray:
         """A forward pass's time for `tokens` tokens (an int, or an array of counts)."""
+        if self.profile and isinstance(tokens, int):  # (the budget search's many lookups)
+            if tokens not in self._at:
+                self._at[tokens] = float(self._shape(tokens))
+            return self.scale * self._at[tokens]
         n = np.asarray(tokens, dtype=np.float64)
         if self.profile:
             out = self.scale * self._shape(n)
