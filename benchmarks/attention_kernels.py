@@ -310,7 +310,7 @@ def main() -> None:
     )
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
-    if args.device != "cpu":
+    if torch.device(args.device).index is not None:  # "cuda" alone: the current device
         torch.cuda.set_device(torch.device(args.device))
     rounds, inner = (3, 1) if args.quick else (args.rounds, args.inner)
     cache = tempfile.TemporaryDirectory(prefix="attention-kernels-inductor-")

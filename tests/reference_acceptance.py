@@ -46,7 +46,9 @@ def siblings(tree, node, kids, p, generator) -> tuple[int | None, int]:
     q = None
     if dist is not None:
         q = torch.zeros_like(p)
-        q[torch.tensor(dist[0], dtype=torch.long)] = torch.tensor(dist[1], dtype=p.dtype)
+        q[torch.tensor(dist[0], dtype=torch.long, device=p.device)] = torch.tensor(
+            dist[1], dtype=p.dtype, device=p.device
+        )
     for child in kids:
         token = tree.token_ids[child]
         if q is None:

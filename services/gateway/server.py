@@ -128,7 +128,8 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         self.tails = Tails(store, loop)
         self._cancels: set[asyncio.Task] = set()  # cancels of requests whose client left
         self._submits: set[asyncio.Future] = set()  # Submits on their way to the scheduler
-        self._streaming: dict[str, int] = {}  # open streams by request id (as stored)
+        # open streams by request id (as stored): the calls (by id()) reading each
+        self._streaming: dict[str, set[int]] = {}
         self._slots: dict[str, str] = {}  # open streams' quota slots: stream id -> key id
         self._awaiting: dict[str, int] = {}  # calls whose request has not arrived, by key id
 
@@ -360,19 +361,21 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             # after a Redis outage, re-attaches; an HTTP client cannot.)
             submitted = call.submitted
             if submitted is not None and not submitted.done():  # (it may yet create one)
-                submitted.add_done_callback(lambda f: self._cancel_soon(call.rid, f))
+                submitted.add_done_callback(lambda f: self._cancel_soon(call, f))
             elif call.streaming or submitted is not None:
-                self._cancel_soon(call.rid, submitted)
+                self._cancel_soon(call, submitted)
         self._settle_soon(call, record)
 
-    def _cancel_soon(self, rid: str, submitted: asyncio.Future | None) -> None:
-        """Cancels a request whose client left, if its Submit (when given) created it and no
-        other call on this gateway streams it (a client's retry that attached meanwhile)."""
+    def _cancel_soon(self, call: Call, submitted: asyncio.Future | None) -> None:
+        """Cancels the request of a call whose client left, if its Submit (when given) created
+        it and no other call on this gateway streams it (a client's retry that attached
+        meanwhile). The call's own stream may not have closed yet: the RPC's done callback can
+        run before its generator's `finally`."""
         if submitted is not None and (submitted.cancelled() or submitted.exception()):
             return
-        if self._streaming.get(rid):
+        if self._streaming.get(call.rid, set()) - {id(call)}:
             return
-        task = self.loop.create_task(self._cancel_quietly(rid))
+        task = self.loop.create_task(self._cancel_quietly(call.rid))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
 
@@ -570,7 +573,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         metrics.OPEN_STREAMS.inc()
         marked = None  # the cursor as last set
         tail = self.tails.open(rid)
-        self._streaming[rid] = self._streaming.get(rid, 0) + 1
+        self._streaming.setdefault(rid, set()).add(id(call))
         opened_ms = int(time.time() * 1000)  # entries older than this are a catch-up
         try:
             while True:
@@ -622,8 +625,10 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                         return
         finally:
             self.tails.close(tail)
-            if (left := self._streaming.pop(rid) - 1) > 0:
-                self._streaming[rid] = left
+            readers = self._streaming[rid]
+            readers.discard(id(call))
+            if not readers:
+                del self._streaming[rid]
 
     async def _final_chunk(self, rid: str, final: dict, text: str, first: int, context):
         error = final.pop("error", "")
