@@ -218,3 +218,30 @@ def test_a_model_free_tree_that_rarely_matches_is_not_asked_for():
     assert policy.deep_budgets([Candidate(64, 0.6, hit=1.0)], rate, [1], [0.05]) == [0]
     policy.steps = PROBE_EVERY
     assert policy.deep_budgets([Candidate(64, 0.6, hit=0.1)], rate, [1], [0.002])[0] > 0
+
+
+def test_a_draft_models_catch_up_is_spread_over_what_the_sequence_has_left():
+    """Before its first draft-model tree a sequence's context goes through the draft model
+    (2.5 s for 400 tokens here): worth it for a long answer, not for a short one after a long
+    prompt. Priced from the profile until a catch-up is measured."""
+    policy = AdaptivePolicy(8)
+    cost = policy.cost
+    cost.calibrate(INT4_PROFILE)
+    cost.coef.c = 0.02  # seconds a draft level
+    policy.steps = 1
+    assert cost.catch_up_seconds(17) == pytest.approx(INT4_PROFILE[17] / 3)
+    cost.observe_catch_up(400, 2.5)
+    behind = cost.catch_up_seconds(150)
+    assert behind == pytest.approx(150 * 2.5 / 400)
+    assert policy.budgets([Candidate(8, 0.8)], 0)[0] > 0  # (caught up)
+    assert policy.budgets([Candidate(8, 0.8, catch_up=behind, remaining=96)], 0) == [0]
+    assert policy.budgets([Candidate(8, 0.8, catch_up=behind, remaining=4000)], 0)[0] > 0
+    # Of two sequences, the one whose draft model has its context drafts alone (cheap
+    # drafts and a linear verify cost: both would draft if both were caught up).
+    linear = policy_with(0.05, 0.004, 0.002, 0.0)
+    assert all(linear.budgets([Candidate(8, 0.8), Candidate(8, 0.8)], 0))
+    pair = [Candidate(8, 0.8, catch_up=behind, remaining=96), Candidate(8, 0.8)]
+    ks = linear.budgets(pair, 0)
+    assert ks[0] == 0 and ks[1] > 0
+    cost.observe_catch_up(100, 0.1)  # (a later one, cheaper: the average moves)
+    assert cost.catch_up_seconds(150) < behind

@@ -23,6 +23,13 @@ and then the deep budgets (`deep_budgets`: as deep as a node still pays for its 
   budget (least squares). Steps that prefill are left out of the verify fit, and steps where
   a drafter took in a whole prompt out of the draft fit: both costs come once per request,
   not per node.
+- The draft model's catch-up: before a sequence's first draft-model tree, the draft model
+  takes in its whole context (seconds per token measured on such steps; before the first,
+  DRAFT_SHARE of the target's). That cost comes once, so it is charged to the steps in
+  proportion to the share of the sequence's remaining tokens they are expected to emit: a
+  long prompt with a short answer does not start the draft model (four streams of 96 tokens
+  after ~150-token prompts ran at 0.80x plain when this cost was not priced), a long answer
+  barely notices it.
 
 The search tries every common cap K from 0 to the configured size; under each, sequences whose
 expected gain is worth less than the time their nodes add to the step drop to 0. K = 0 is
@@ -40,7 +47,7 @@ while at most one other sequence would draft; see Speculator.budgets.)
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -51,6 +58,10 @@ PROBE_EVERY = 64  # steps: one in this many prices drafts optimistically, to mea
 EXPLORE_ALPHA = 0.8  # the acceptance a sequence not yet measured (or probed) is priced at
 VERIFY_EWMA = 0.2  # weight of a step in the profile's scale and the round trip
 OUTLIER = 3.0  # a draft step over this many times the usual time per level is left out
+# Before a draft model has taken in any context, what it costs a token is priced at this share
+# of the target's per-token time in its largest calibrated pass (the default draft has a third
+# of the target's parameters); the first catch-up measured replaces it.
+DRAFT_SHARE = 1 / 3
 # Speculation must be expected to beat plain decoding by this share of its rate (a model-free
 # tree: to gain this many tokens net of its time). What the cost model does not see (a draft
 # model catching up after model-free steps, a noisy profile entry) costs a few percent:
@@ -85,6 +96,8 @@ class CostModel:
         self.profile: dict[int, float] = {}  # verify seconds by tokens, timed at start
         self.scale = 1.0  # passes now against the profile (other load, a longer context)
         self.round_trip = 0.0  # seconds a step waits for model-free trees alone (moving average)
+        self.catch_up: float | None = None  # draft model seconds per context token (average)
+        self.catch_up_prior = 0.0  # ... before any was measured (from the profile)
         self._points: tuple[np.ndarray, np.ndarray] | None = None  # the profile, sorted
         self._at: dict[int, float] = {}  # _shape of one count, kept: the search asks often
         self._since_fit = 0
@@ -92,6 +105,8 @@ class CostModel:
     def calibrate(self, seconds_by_tokens: dict[int, float]) -> None:
         """Verify times measured at start, by the tokens of the pass: the profile's shape."""
         self.profile.update(seconds_by_tokens)
+        largest = max(self.profile)
+        self.catch_up_prior = DRAFT_SHARE * self.profile[largest] / largest
         self._points = None
         self._at.clear()
         for tokens, seconds in seconds_by_tokens.items():
@@ -136,6 +151,21 @@ class CostModel:
         """A step that asked the drafters for model-free trees alone waited `seconds`."""
         self.round_trip += VERIFY_EWMA * (seconds - self.round_trip)
 
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A draft model took `seconds` (beyond its usual step) to take in `tokens` tokens."""
+        if tokens > 0:
+            per_token = seconds / tokens
+            last = self.catch_up
+            self.catch_up = per_token if last is None else last + VERIFY_EWMA * (per_token - last)
+
+    def catch_up_seconds(self, tokens: int) -> float:
+        """What a draft model takes to take in `tokens` tokens of a sequence's context."""
+        return tokens * (self.catch_up_prior if self.catch_up is None else self.catch_up)
+
+    def draft_seconds(self, levels: int, drafting: int) -> float:
+        c = self.coef
+        return c.e + levels * (c.c + c.d * drafting) if levels else 0.0
+
     def observe_draft(self, levels: int, seqs: int, seconds: float) -> None:
         if levels > 0:
             self.draft.append((levels, seqs, seconds))
@@ -170,9 +200,7 @@ class CostModel:
             self.coef.e, self.coef.c, self.coef.d = _nonnegative_lstsq(x[usual], y[usual])
 
     def step_seconds(self, tokens: int, levels: int, drafting: int) -> float:
-        c = self.coef
-        draft = c.e + levels * (c.c + c.d * drafting) if levels else 0.0
-        return self.verify_seconds(tokens) + draft
+        return self.verify_seconds(tokens) + self.draft_seconds(levels, drafting)
 
     @property
     def known(self) -> bool:
@@ -203,6 +231,15 @@ class Candidate:
     alpha: float  # estimated per-token acceptance
     pinned: bool = False  # the request fixed its tree size: it gets cap
     hit: float = 1.0  # model-free: the share of asks that found a match (a tree at all)
+    catch_up: float = 0.0  # seconds its draft model needs to take in its context first
+    remaining: int = 1 << 30  # tokens it may still emit
+
+    def catch_up_share(self, k: int) -> float:
+        """The part of its catch-up a step with budget k is charged: the share of its
+        remaining tokens that step is expected to emit."""
+        if not (k and self.catch_up):
+            return 0.0
+        return self.catch_up * min(1.0, expected_tokens(self.alpha, k) / max(self.remaining, 1))
 
 
 class AdaptivePolicy:
@@ -272,9 +309,7 @@ class AdaptivePolicy:
         as good drafts would pay."""
         self.steps += 1
         if self.probing:
-            candidates = [
-                Candidate(c.cap, max(c.alpha, EXPLORE_ALPHA), c.pinned) for c in candidates
-            ]
+            candidates = [replace(c, alpha=max(c.alpha, EXPLORE_ALPHA)) for c in candidates]
         best, best_rate = [0] * len(candidates), -1.0
         top = min(self.max_budget, max((c.cap for c in candidates), default=0))
         for cap in range(top + 1):
@@ -288,6 +323,7 @@ class AdaptivePolicy:
                     added = self.cost.verify_seconds(tokens) - self.cost.verify_seconds(
                         tokens - ks[i]
                     )
+                    added += c.catch_up_share(ks[i])
                     if gain < added * rate:
                         tokens -= ks[i]
                         ks[i] = 0
@@ -307,5 +343,6 @@ class AdaptivePolicy:
         tokens = other_tokens + sum(1 + k for k in ks)
         drafting = sum(k > 0 for k in ks)
         seconds = self.cost.step_seconds(tokens, max(ks, default=0), drafting)
+        seconds += sum(c.catch_up_share(k) for c, k in zip(candidates, ks, strict=True))
         emitted = sum(expected_tokens(c.alpha, k) for c, k in zip(candidates, ks, strict=True))
         return emitted / max(seconds, 1e-6)

@@ -57,6 +57,7 @@ class Sequence:
     free_tested: int = 0
     drawn_accepted: int = 0  # draft-model trees
     drawn_tested: int = 0
+    drawn_once: bool = False  # a draft model grew it a tree (it took in its context)
     free_asked: int = 0  # steps that asked the drafter for a model-free tree alone ...
     free_matched: int = 0  # ... and of them those that got one (a match: not empty)
     fallback_steps: int = 0

@@ -113,10 +113,16 @@ class Speculator:
         # (EXPLORE_ALPHA): judged by the service-wide rate alone, a sequence that would gain
         # (code, say, where a prior fit for prose says no) might never draft; priced at its
         # cap whatever the cost, it would pay for the finding out where no draft can pay.
+        # Its first draft-model tree has the draft model take in its whole context: a cost
+        # spread over what the sequence has left to emit (AdaptivePolicy.budgets).
         policy = self.policy
         model = [
             Candidate(
-                cap, explored(policy.alpha(s.drawn_accepted, s.drawn_tested), s.drawn_tested), pin
+                cap,
+                explored(policy.alpha(s.drawn_accepted, s.drawn_tested), s.drawn_tested),
+                pin,
+                catch_up=0.0 if s.drawn_once else policy.cost.catch_up_seconds(len(s.all_ids)),
+                remaining=s.max_tokens - len(s.output_ids),
             )
             for s, cap, pin in zip(seqs, caps, pinned, strict=True)
         ]
@@ -191,27 +197,14 @@ class Speculator:
         if self.pool is not None:
             started = time.perf_counter()
             trees = self._ask_drafters(seqs, budgets)
-            # Steady-state steps only: a drafter taking in a whole prompt (a new or moved
-            # sequence, or what a deep model-free tree had accepted) costs once, not per
-            # level, and would skew the per-level cost. Levels are those of the draft model's
-            # trees: model-free ones cost no draft pass.
-            # A sequence's first draft-model tree has the draft model take in its whole
-            # context first: not steady either.
-            first = any(k and not s.drawn_tested for s, (k, _) in zip(seqs, budgets, strict=True))
-            steady = self.sync.largest_delta <= self.tree_size + 1 and not first
             seconds = time.perf_counter() - started
             alone = [k == 0 and deep > 0 for k, deep in budgets]  # a model-free tree alone
             for seq, asked, tree in zip(seqs, alone, trees, strict=True):
                 if asked and tree is not None:
                     seq.free_asked += 1
                     seq.free_matched += len(tree) > 0
-            if self.policy is not None and steady and all(t is not None for t in trees):
-                if not any(k for k, _ in budgets):
-                    self.policy.cost.observe_round_trip(seconds)
-                drawn = [k for (k, _), t in zip(budgets, trees, strict=True) if not t.model_free]
-                self.policy.cost.observe_draft(
-                    max(drawn, default=0), sum(k > 0 for k in drawn), seconds
-                )
+            if self.policy is not None and all(t is not None for t in trees):
+                self._observe_drafts(seqs, budgets, trees, seconds)
         for i, (seq, budget) in enumerate(zip(seqs, budgets, strict=True)):
             if trees[i] is None:  # the fallback's n-gram trees are model-free: the larger
                 seq.fallback_steps += max(budget) > 0
@@ -219,6 +212,28 @@ class Speculator:
                 trees[i] = self._fallback(seq, max(budget))
             seq.drafted += len(trees[i])
         return trees
+
+    def _observe_drafts(self, seqs, budgets, trees: list[DraftTree], seconds: float) -> None:
+        """What the drafters took this step, for the cost model. Levels are those of the
+        draft model's trees: model-free ones cost no draft pass. A step where the draft model
+        took in a sequence's whole context (its first draft-model tree) measures that catch-up
+        (beyond the usual step); only steady steps price the levels: a drafter taking in more
+        than a step's tokens (a new or moved sequence, or what a deep model-free tree had
+        accepted) costs once, not per level."""
+        cost = self.policy.cost
+        drawn = [k for (k, _), t in zip(budgets, trees, strict=True) if not t.model_free]
+        levels, drafting = max(drawn, default=0), sum(k > 0 for k in drawn)
+        first = 0
+        for s, (k, _), t in zip(seqs, budgets, trees, strict=True):
+            if k and not t.model_free and not s.drawn_once:
+                first += len(s.all_ids)
+                s.drawn_once = True
+        if first:
+            cost.observe_catch_up(first, max(0.0, seconds - cost.draft_seconds(levels, drafting)))
+        elif self.sync.largest_delta <= self.tree_size + 1:
+            if not any(k for k, _ in budgets):
+                cost.observe_round_trip(seconds)
+            cost.observe_draft(levels, drafting, seconds)
 
     def forget(self, seq: Sequence) -> None:
         """The sequence ended: tell its drafter with the next message."""
