@@ -300,3 +300,20 @@ def test_a_model_free_tree_with_draft_distributions_is_dropped():
     msg = drafter_pb2.DraftTree()
     to_proto(tree, msg)
     assert len(speculator._checked(msg, (8, 8))) == 0
+
+
+def test_a_process_on_an_accelerator_takes_one_host_thread_unless_told():
+    import torch
+
+    from specserve.common.models import ACCELERATOR_HOST_THREADS, set_host_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_host_threads(0, "cpu")
+        assert torch.get_num_threads() == before  # torch's default
+        set_host_threads(0, "cuda:0")
+        assert torch.get_num_threads() == ACCELERATOR_HOST_THREADS
+        set_host_threads(3, "cuda")
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -348,6 +348,25 @@ def resolve_dtype(dtype: str, device: str, path: Path, setting: str = "dtype") -
     return choice.dtype
 
 
+# Host threads of a process whose model runs on an accelerator, where torch_threads is 0: its
+# host work is one Python thread launching kernels and building small inputs, and torch's
+# default (a thread per core, in every such process) only contends for the cores that thread,
+# the gateway and the scheduler need (vLLM's workers take 1 for the same reason).
+ACCELERATOR_HOST_THREADS = 1
+
+
+def set_host_threads(threads: int, device: str, setting: str = "torch_threads") -> None:
+    """torch's intra-op threads: `threads`, or with 0 torch's default on the CPU and
+    ACCELERATOR_HOST_THREADS on an accelerator."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    elif not device.startswith("cpu"):
+        torch.set_num_threads(ACCELERATOR_HOST_THREADS)
+        log.info(f"{setting}: 0 on {device}: {ACCELERATOR_HOST_THREADS} host thread")
+
+
 def load_model(
     path: Path,
     device: str,

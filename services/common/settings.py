@@ -415,7 +415,9 @@ class VerifierSettings(ServiceSettings):
         ge=0,
         description="Cached block hashes the heartbeat publishes for prefix-aware placement.",
     )
-    torch_threads: int = Field(default=0, ge=0, description="0 = torch's default (per rank).")
+    torch_threads: int = Field(
+        default=0, ge=0, description="0: torch's default on the CPU (per rank), 1 on a GPU."
+    )
     tensor_parallel: int = Field(
         default=1,
         ge=1,
@@ -528,7 +530,9 @@ class DrafterSettings(ServiceSettings):
     device: Device = "cpu"
     dtype: Dtype = Field(default="float32", description=DTYPE_HELP)
     compile: bool = Field(default=False, description=COMPILE_HELP)
-    torch_threads: int = Field(default=0, ge=0)
+    torch_threads: int = Field(
+        default=0, ge=0, description="0: torch's default on the CPU, 1 on a GPU."
+    )
     max_depth: int = Field(
         default=6, ge=1, le=64, description="Draft model tree levels (one forward pass each)."
     )

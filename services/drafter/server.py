@@ -6,9 +6,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-import torch
-
-from ..common import telemetry
+from ..common import models, telemetry
 from ..common.grpc_server import Server
 from ..common.proposers.base import DraftJob, Proposer
 from ..common.settings import DrafterSettings
@@ -125,8 +123,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
 
 
 def build(settings: DrafterSettings):
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+    models.set_host_threads(settings.torch_threads, settings.device, "drafter.torch_threads")
     if settings.proposer in ("draft_model", "hybrid"):
         settings = draft_model.with_dtype(settings)
     proposer = PROPOSERS[settings.proposer].from_settings(settings)

@@ -207,8 +207,7 @@ def follow(rank: int, spec: RankSpec) -> int:
     from ..engine.compiler import Compiler
     from ..engine.flat_model import FlatModel
 
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    models.set_host_threads(spec.threads, spec.device, "verifier.torch_threads")
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore("127.0.0.1", spec.port, spec.world, False, timeout)
     store.set(f"joined/{rank}", "1")

@@ -304,8 +304,7 @@ def calibrate(speculator: Speculator, runner: ModelRunner) -> None:
 
 
 def build(settings: VerifierSettings) -> tuple[Server, callable]:
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+    models.set_host_threads(settings.torch_threads, settings.device, "verifier.torch_threads")
     path, manifest = models.resolve(settings.model, settings.model_cache_dir)
     dtype = models.resolve_dtype(settings.dtype, settings.device, path, "verifier.dtype")
     settings = settings.model_copy(update={"dtype": dtype})  # (what the ranks load, too)
