@@ -45,7 +45,7 @@ from urllib.parse import urljoin
 import grpc
 
 from specserve.common import models
-from specserve.common.settings import ServiceSettings
+from specserve.common.settings import ModelRef, ServiceSettings
 from specserve.local_cluster import LocalCluster, free_port, without_security
 from specserve.v1 import common_pb2, generation_pb2_grpc
 
@@ -174,7 +174,9 @@ def completion(port: int, prompt: str, tokens: int) -> dict:
 
 
 def run_llamacpp(args, target: Path, draft: Path, server: Path) -> dict[str, dict[str, dict]]:
-    tokenizer = models.load_tokenizer(models.resolve(ServiceSettings().model, args.cache)[0])
+    tokenizer = models.load_tokenizer(
+        models.resolve(ModelRef(name=TARGET[0], version=TARGET[1]), args.cache)[0]
+    )
 
     def templated(text: str) -> str:
         messages = [{"role": "user", "content": text}]

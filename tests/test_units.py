@@ -317,3 +317,28 @@ def test_a_process_on_an_accelerator_takes_one_host_thread_unless_told():
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_model_starts_on_the_cpu_take_turns_on_a_host(tmp_path):
+    """A second process's timing and load wait for the first's (a thread's own open of the
+    lock file stands for it); a GPU process does not wait."""
+    import threading
+
+    from specserve.common.models import cpu_start
+
+    order = []
+
+    def second():
+        with cpu_start(tmp_path, "cpu", "drafter"):
+            order.append("second")
+
+    with cpu_start(tmp_path, "cpu", "verifier"):
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        waiter.join(timeout=0.5)
+        assert waiter.is_alive()  # waiting for the lock
+        with cpu_start(tmp_path, "cuda:0", "verifier"):
+            order.append("gpu")
+        order.append("first")
+    waiter.join(timeout=10)
+    assert order == ["gpu", "first", "second"]

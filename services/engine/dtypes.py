@@ -35,8 +35,12 @@ log = logging.getLogger(__name__)
 CPU_CANDIDATES = ("int4", "int8", "bfloat16", "float32")
 FOOTPRINT = 256 << 20  # bytes of weights a timed pass reads (past any CPU's last-level cache) ...
 MAX_COPIES = 64  # ... in at most this many copies of the layer (a tiny model's stay in cache)
-TIMED_PASSES = 5  # passes timed per candidate (the fastest counts: other processes starting
-# on the same cores slow some passes down), after one warm-up
+# Rounds of one timed pass per candidate, after one warm-up: the fastest pass of each counts.
+# The candidates take turns within each round, so that a spell of other work on the same cores
+# (the drafter choosing its own dtype or quantising, as the cluster starts) slows them alike:
+# timed one after another, int4 once took 7.6 ms a row under a drafter's start and float32,
+# timed after it, 3.3 ms, and the verifier served float32 at a fifth of int4's speed.
+ROUNDS = 9
 
 
 @dataclass
@@ -54,14 +58,9 @@ def choose(device: str, in_features: int, out_features: int) -> Choice:
         if torch.cuda.is_bf16_supported():
             return Choice("bfloat16", "cuda: bfloat16 tensor cores")
         return Choice("float16", "cuda without bfloat16: float16")
-    layer = _layer(in_features, out_features)
-    timings, refused = {}, {}
-    for dtype in CPU_CANDIDATES:
-        why = _cannot_run(dtype, device, in_features)
-        if why:
-            refused[dtype] = why
-            continue
-        timings[dtype] = _ms_per_row(layer, dtype, device)
+    refused = {d: why for d in CPU_CANDIDATES if (why := _cannot_run(d, device, in_features))}
+    runnable = [d for d in CPU_CANDIDATES if d not in refused]
+    timings = _ms_per_row(_layer(in_features, out_features), runnable, device)
     best = min(timings, key=timings.get)
     shown = ", ".join(f"{d} {ms:.2f} ms" for d, ms in timings.items())
     reason = f"fastest decode row through a {out_features}x{in_features} layer ({shown})"
@@ -91,10 +90,26 @@ def _layer(in_features: int, out_features: int) -> nn.Linear:
 
 
 @torch.no_grad()
-def _ms_per_row(layer: nn.Linear, dtype: str, device: str) -> float:
-    """Milliseconds of one row through `layer` in `dtype` (its fastest pass), read from
-    memory: the row goes through copies of the layer holding at least FOOTPRINT bytes together
-    (one layer alone would be timed out of the CPU's cache; decoding reads a model far larger)."""
+def _ms_per_row(layer: nn.Linear, dtypes: list[str], device: str) -> dict[str, float]:
+    """Milliseconds of one row through `layer` in each of `dtypes` (its fastest pass), read
+    from memory: the row goes through copies of the layer holding at least FOOTPRINT bytes
+    together (one layer alone would be timed out of the CPU's cache; decoding reads a model
+    far larger). The candidates take turns, ROUNDS times."""
+    runs = {dtype: _copies(layer, dtype, device) for dtype in dtypes}
+    best = dict.fromkeys(dtypes, float("inf"))
+    for i in range(ROUNDS + 1):
+        for dtype in dtypes[i % len(dtypes) :] + dtypes[: i % len(dtypes)]:  # (who goes first)
+            copies, x = runs[dtype]
+            started = time.perf_counter()
+            for timed in copies:
+                timed(x)
+            if i:  # (the first round warms up)
+                best[dtype] = min(best[dtype], (time.perf_counter() - started) / len(copies))
+    return {dtype: 1000 * best[dtype] for dtype in dtypes}
+
+
+def _copies(layer: nn.Linear, dtype: str, device: str) -> tuple[list[nn.Module], torch.Tensor]:
+    """`layer` in `dtype`, copied to hold FOOTPRINT bytes (at most MAX_COPIES), and a row."""
     if dtype in quant.QUANTISED:
         first = quant.LAYERS[dtype](layer).to(device)
         x = torch.randn(1, layer.in_features, device=device)
@@ -104,14 +119,5 @@ def _ms_per_row(layer: nn.Linear, dtype: str, device: str) -> float:
         first.weight = nn.Parameter(layer.weight.detach().to(device, kind), requires_grad=False)
         x = torch.randn(1, layer.in_features, device=device, dtype=kind)
     size = sum(t.numel() * t.element_size() for t in [*first.parameters(), *first.buffers()])
-    copies = [first] + [
-        copy.deepcopy(first) for _ in range(min(-(-FOOTPRINT // size), MAX_COPIES) - 1)
-    ]
-    times = []
-    for i in range(TIMED_PASSES + 1):
-        started = time.perf_counter()
-        for timed in copies:
-            timed(x)
-        if i:  # (the first pass warms up)
-            times.append((time.perf_counter() - started) / len(copies))
-    return 1000 * min(times)
+    extra = min(-(-FOOTPRINT // size), MAX_COPIES) - 1
+    return [first] + [copy.deepcopy(first) for _ in range(extra)], x

@@ -306,9 +306,10 @@ def calibrate(speculator: Speculator, runner: ModelRunner) -> None:
 def build(settings: VerifierSettings) -> tuple[Server, callable]:
     models.set_host_threads(settings.torch_threads, settings.device, "verifier.torch_threads")
     path, manifest = models.resolve(settings.model, settings.model_cache_dir)
-    dtype = models.resolve_dtype(settings.dtype, settings.device, path, "verifier.dtype")
-    settings = settings.model_copy(update={"dtype": dtype})  # (what the ranks load, too)
-    model, ranks = load_target(settings, path)
+    with models.cpu_start(settings.model_cache_dir, settings.device, "verifier"):
+        dtype = models.resolve_dtype(settings.dtype, settings.device, path, "verifier.dtype")
+        settings = settings.model_copy(update={"dtype": dtype})  # (what the ranks load, too)
+        model, ranks = load_target(settings, path)
     metrics.RANKS.set(settings.tensor_parallel)
     try:
         return serve(settings, path, manifest, model, ranks)
@@ -363,7 +364,8 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
     metrics.KV_BUDGET.set(pool.tokens)
     metrics.MODEL.labels(served.model, served.sha256, served.version, served.pool).set(1)
     runner = ModelRunner(flat)
-    calibrate(speculator, runner)
+    with models.cpu_start(settings.model_cache_dir, settings.device, "verifier"):
+        calibrate(speculator, runner)  # (timed: alone on the cores)
     engine = Engine(
         runner,
         speculator,
