@@ -194,7 +194,7 @@ def run_llamacpp(args, target: Path, draft: Path, server: Path) -> dict[str, dic
         port = free_port()
         cmd = [str(server), "-m", str(target), "--port", str(port), "-t", str(args.threads)]
         cmd += ["-tb", str(args.threads), "-c", "4096", "--no-webui", *extra]
-        with open(Path(args.out) / ".llamacpp-server.log", "w") as log:
+        with open(HOME / "llama-server.log", "w") as log:  # (the last server's)
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_ready(port, proc)
@@ -213,7 +213,9 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited ({proc.returncode}): see its log")
+            raise SystemExit(
+                f"llama-server exited ({proc.returncode}): see {HOME}/llama-server.log"
+            )
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
