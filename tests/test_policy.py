@@ -245,3 +245,16 @@ def test_a_draft_models_catch_up_is_spread_over_what_the_sequence_has_left():
     assert ks[0] == 0 and ks[1] > 0
     cost.observe_catch_up(100, 0.1)  # (a later one, cheaper: the average moves)
     assert cost.catch_up_seconds(150) < behind
+
+
+def test_a_prompt_chunk_in_the_step_does_not_make_drafts_look_cheap():
+    """A step that carries a 512-token prompt chunk takes seconds whatever is drafted: drafts
+    are judged against plain decoding's rate without it, so poor ones stay off there too."""
+    policy = AdaptivePolicy(8)
+    policy.cost.calibrate(INT4_PROFILE)
+    policy.cost.coef.c = 0.02
+    policy.steps = 1
+    poor = [Candidate(8, 0.3) for _ in range(4)]
+    assert policy.budgets(poor, 0) == [0, 0, 0, 0]
+    assert policy.budgets(poor, 512) == [0, 0, 0, 0]
+    assert policy.budgets([Candidate(8, 0.8)], 512) == policy.budgets([Candidate(8, 0.8)], 0)

@@ -292,6 +292,19 @@ class Engine:
             logits = self.runner.verify_each(plan.seqs, trees, plan.takes)
         tokens = sum(plan.takes) + sum(map(len, trees))
         self.speculator.observe_step(tokens, timing.seconds, plan.prefill_tokens)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "step",
+                extra={
+                    "sequences": len(plan.seqs),
+                    "tokens": tokens,
+                    "prefill_tokens": plan.prefill_tokens,
+                    "trees": [len(t) for t in trees],
+                    "model_free": sum(t.model_free for t in trees if len(t)),
+                    "verify_ms": round(1000 * timing.seconds, 1),
+                    "priced_ms": round(1000 * self.speculator.priced_verify(tokens), 1),
+                },
+            )
         return logits
 
     def _accept(self, plan: StepPlan, trees: list[DraftTree], logits: list, span) -> bool:

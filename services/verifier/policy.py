@@ -26,10 +26,12 @@ and then the deep budgets (`deep_budgets`: as deep as a node still pays for its 
 - The draft model's catch-up: before a sequence's first draft-model tree, the draft model
   takes in its whole context (seconds per token measured on such steps; before the first,
   DRAFT_SHARE of the target's). That cost comes once, so it is charged to the steps in
-  proportion to the share of the sequence's remaining tokens they are expected to emit: a
-  long prompt with a short answer does not start the draft model (four streams of 96 tokens
-  after ~150-token prompts ran at 0.80x plain when this cost was not priced), a long answer
-  barely notices it.
+  proportion to the share of the tokens it buys that they are expected to emit: the
+  candidate's `remaining`, which the speculator caps at what exploring the draft model
+  emits (speculator.CATCH_UP_HORIZON), since the catch-up is only known to buy that. Where
+  taking in a context costs more than speculation can win back in those tokens, the draft
+  model is not started (13 Spec-Bench streams at once ran at 0.80-0.85x plain while it was
+  not priced, or spread over whole answers).
 
 The search tries every common cap K from 0 to the configured size; under each, sequences whose
 expected gain is worth less than the time their nodes add to the step drop to 0. K = 0 is
@@ -339,10 +341,18 @@ class AdaptivePolicy:
         return self.steps % PROBE_EVERY == 0
 
     def rate(self, candidates: list[Candidate], ks: list[int], other_tokens: int) -> float:
-        """Expected emitted tokens per second of a step with budgets ks."""
+        """Expected emitted tokens per second of a step with budgets ks, less the time of its
+        prompt chunks (other_tokens): every choice of budgets pays that alike, and left in, it
+        would make the step's plain rate look so low that any draft beat it (a 512-token chunk
+        took 10 s here, and twelve streams' draft models caught up on such steps)."""
         tokens = other_tokens + sum(1 + k for k in ks)
         drafting = sum(k > 0 for k in ks)
         seconds = self.cost.step_seconds(tokens, max(ks, default=0), drafting)
+        if other_tokens:
+            plain = len(ks)
+            seconds -= self.cost.verify_seconds(other_tokens + plain) - self.cost.verify_seconds(
+                plain
+            )
         seconds += sum(c.catch_up_share(k) for c, k in zip(candidates, ks, strict=True))
         emitted = sum(expected_tokens(c.alpha, k) for c, k in zip(candidates, ks, strict=True))
         return emitted / max(seconds, 1e-6)

@@ -27,6 +27,13 @@ from .sequence import Sequence
 log = logging.getLogger(__name__)
 
 EXPLORE_TOKENS = 8  # draft tokens of a kind checked before a sequence's own rate is trusted
+# Tokens a draft model's catch-up is charged over (AdaptivePolicy.budgets), at most: the catch-up
+# comes before a sequence's first draft-model tree, while it explores (priced at EXPLORE_ALPHA),
+# and is only known to buy that exploration (about this many tokens emitted while EXPLORE_TOKENS
+# drafts are checked); afterwards the sequence drafts only where its measured rate pays. Spread
+# over a whole 96-token answer instead, exploring 12 streams at once rode on prompt-chunk steps
+# (their draft-model catch-ups took 2.6-5.9 s a step) and 13 streams ran at 0.85x plain.
+CATCH_UP_HORIZON = 2 * EXPLORE_TOKENS
 # Token counts of a forward pass timed at start for the verify profile (policy.py): every
 # count of one sequence's small trees (kernels price rows in blocks), then sparser.
 CALIBRATE_COUNTS = (*range(1, 10), 13, 17, 25, 33, 49, 65)
@@ -122,7 +129,7 @@ class Speculator:
                 explored(policy.alpha(s.drawn_accepted, s.drawn_tested), s.drawn_tested),
                 pin,
                 catch_up=0.0 if s.drawn_once else policy.cost.catch_up_seconds(len(s.all_ids)),
-                remaining=s.max_tokens - len(s.output_ids),
+                remaining=min(s.max_tokens - len(s.output_ids), CATCH_UP_HORIZON),
             )
             for s, cap, pin in zip(seqs, caps, pinned, strict=True)
         ]
@@ -170,6 +177,10 @@ class Speculator:
         if self.policy is not None and prefill_tokens == 0:
             self.policy.cost.observe_verify(tokens, verify_seconds)
 
+    def priced_verify(self, tokens: int) -> float:
+        """What the adaptive policy prices a pass of `tokens` tokens at (0 without one)."""
+        return self.policy.cost.verify_seconds(tokens) if self.policy is not None else 0.0
+
     def observe_acceptance(
         self, seq: Sequence, tree: DraftTree, accepted: int, tested: int
     ) -> None:
@@ -205,6 +216,10 @@ class Speculator:
                     seq.free_matched += len(tree) > 0
             if self.policy is not None and all(t is not None for t in trees):
                 self._observe_drafts(seqs, budgets, trees, seconds)
+            if log.isEnabledFor(logging.DEBUG):  # (with the engine's "step": the policy's view)
+                log.debug(
+                    "drafted", extra={"budgets": budgets, "draft_ms": round(1000 * seconds, 1)}
+                )
         for i, (seq, budget) in enumerate(zip(seqs, budgets, strict=True)):
             if trees[i] is None:  # the fallback's n-gram trees are model-free: the larger
                 seq.fallback_steps += max(budget) > 0
