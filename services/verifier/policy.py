@@ -234,11 +234,11 @@ class Candidate:
     pinned: bool = False  # the request fixed its tree size: it gets cap
     hit: float = 1.0  # model-free: the share of asks that found a match (a tree at all)
     catch_up: float = 0.0  # seconds its draft model needs to take in its context first
-    remaining: int = 1 << 30  # tokens it may still emit
+    remaining: int = 1 << 30  # tokens the catch-up is charged over (it emits no more)
 
     def catch_up_share(self, k: int) -> float:
-        """The part of its catch-up a step with budget k is charged: the share of its
-        remaining tokens that step is expected to emit."""
+        """The part of its catch-up a step with budget k is charged: the share of the
+        `remaining` tokens that step is expected to emit."""
         if not (k and self.catch_up):
             return 0.0
         return self.catch_up * min(1.0, expected_tokens(self.alpha, k) / max(self.remaining, 1))

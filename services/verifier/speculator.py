@@ -121,7 +121,7 @@ class Speculator:
         # (code, say, where a prior fit for prose says no) might never draft; priced at its
         # cap whatever the cost, it would pay for the finding out where no draft can pay.
         # Its first draft-model tree has the draft model take in its whole context: a cost
-        # spread over what the sequence has left to emit (AdaptivePolicy.budgets).
+        # spread over the tokens exploring emits (CATCH_UP_HORIZON; AdaptivePolicy.budgets).
         policy = self.policy
         model = [
             Candidate(
