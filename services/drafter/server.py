@@ -124,9 +124,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
 
 def build(settings: DrafterSettings):
     models.set_host_threads(settings.torch_threads, settings.device, "drafter.torch_threads")
-    with models.cpu_start(settings.model_cache_dir, settings.device, "drafter"):
-        if settings.proposer in ("draft_model", "hybrid"):
+    if settings.proposer in ("draft_model", "hybrid"):  # (a model-free one loads nothing)
+        with models.cpu_start(settings.model_cache_dir, settings.device, "drafter"):
             settings = draft_model.with_dtype(settings)
+            proposer = PROPOSERS[settings.proposer].from_settings(settings)
+    else:
         proposer = PROPOSERS[settings.proposer].from_settings(settings)
     store = RequestStore.connect(settings)
     store.wait_reachable()
