@@ -76,6 +76,8 @@ def test_a_completions_body_takes_text_or_token_ids():
             "messages.0.content.0",
         ),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_by_name(kind, fields, param):

@@ -229,10 +229,10 @@ return 1
 )
 
 # One step of a running request, by its owner ARGV[1] in incarnation ARGV[6] (model version
-# ARGV[5]): ids ARGV[3]
-# (comma list, ARGV[4] of them) from index ARGV[2]. Only the part past `generated` is
-# appended: a retried write that went through before appends nothing, one that went through
-# in part appends the rest.
+# ARGV[5]): ids ARGV[3] (comma list, ARGV[4] of them) from index ARGV[2], and when ARGV[8] is
+# not empty each id's log-probabilities (a ';' list, one per id; see verifier/logprobs.py).
+# Only the part past `generated` is appended: a retried write that went through before
+# appends nothing, one that went through in part appends the rest.
 # Returns {-1, 0} if the caller no longer owns the request (it must drop it), else
 # {state, generated} with state 1 if it was cancelled, 2 if it is more than ARGV[7] (> 0)
 # tokens ahead of what its client was sent (`read`), 0 else (StepState); the caller goes on
@@ -247,8 +247,15 @@ local first, n = tonumber(ARGV[2]), tonumber(ARGV[4])
 if generated >= first and generated < first + n then
   local ids = {}
   for t in string.gmatch(ARGV[3], '[^,]+') do ids[#ids + 1] = t end
-  redis.call('XADD', KEYS[2], '*', 'first', generated,
-             'ids', table.concat(ids, ',', generated - first + 1), 'v', ARGV[5])
+  local skip = generated - first + 1
+  local fields = {'first', generated, 'ids', table.concat(ids, ',', skip), 'v', ARGV[5]}
+  if ARGV[8] ~= '' then
+    local lps = {}
+    for t in string.gmatch(ARGV[8], '[^;]+') do lps[#lps + 1] = t end
+    fields[#fields + 1] = 'lp'
+    fields[#fields + 1] = table.concat(lps, ';', skip)
+  end
+  redis.call('XADD', KEYS[2], '*', unpack(fields))
   generated = first + n
   redis.call('HSET', KEYS[1], 'generated', generated)
 end
@@ -877,25 +884,23 @@ class RequestStore:
     def commit_step(
         self,
         vid: str,
-        steps: list[tuple[str, int, list[int]]],
+        steps: list[tuple[str, int, list[int]] | tuple[str, int, list[int], list[str]]],
         version: str = "",
         incarnation: str = "",
         max_unread: int = 0,
     ) -> list[tuple[StepState, int] | None]:
-        """One round trip per step: for each running (rid, first_index, new ids) of verifier
-        `vid` in its `incarnation` (serving model `version`), appends the ids to its output
-        stream (see _COMMIT).
+        """One round trip per step: for each running (rid, first_index, new ids[, their
+        log-probabilities, encoded]) of verifier `vid` in its `incarnation` (serving model
+        `version`), appends the ids to its output stream (see _COMMIT).
         Returns per request (state, generated): CANCELLED, LOST if `vid` no longer owns it
         (requeued elsewhere), PAUSED if it has generated more than `max_unread` (> 0) tokens
         past what its client was sent, else OK; None where the write failed (write it
         again)."""
-        calls = [
-            (
-                [self.layout.req(rid), self.layout.out(rid)],
-                [vid, first, ",".join(map(str, ids)), len(ids), version, incarnation, max_unread],
-            )
-            for rid, first, ids in steps
-        ]
+        calls = []
+        for rid, first, ids, *logprobs in steps:
+            args = [vid, first, ",".join(map(str, ids)), len(ids), version, incarnation]
+            lps = ";".join(logprobs[0]) if logprobs and logprobs[0] is not None else ""
+            calls.append(([self.layout.req(rid), self.layout.out(rid)], [*args, max_unread, lps]))
         results = self._pipelined(self._commit, calls)
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:  # e.g. NOSCRIPT from a restarted Redis: the rest went through

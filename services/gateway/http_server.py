@@ -272,8 +272,10 @@ class OpenAIHttp:
         self, request: web.Request, kind: str, context: HttpContext, who, body
     ) -> web.StreamResponse:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        completion = Completion(kind, body.model, include_usage)
-        chunks = self.service.Generate(to_generate(body), context, who)
+        asked = to_generate(body)
+        token_text = self.service.token_text if asked.logprobs else None
+        completion = Completion(kind, body.model, include_usage, token_text)
+        chunks = self.service.Generate(asked, context, who)
         left = True  # whether the client left before the end (until the call ends)
         try:
             first = await _next(chunks)  # errors before any output get their HTTP status

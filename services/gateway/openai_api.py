@@ -3,18 +3,21 @@ gateway's stream in, OpenAI's responses and errors out. `http_server` does the I
 
 Bodies are checked strictly (a string where a number belongs is a 400 naming the field);
 fields this module does not know are ignored, as clients send fields at their defaults.
-Fields it knows but cannot honour (n > 1, logprobs, tools, penalties...) are refused by name.
+Fields it knows but cannot honour (n > 1, tools, penalties...) are refused by name.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..common.logprobs import MAX_TOP_LOGPROBS
 from ..v1 import common_pb2, generation_pb2
 
 COMPLETIONS, CHAT = "text_completion", "chat.completion"
@@ -135,7 +138,7 @@ class CompletionBody(_Body):
     max_tokens: PositiveInt | None = None
     echo: bool | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
 
 
@@ -154,7 +157,7 @@ class ChatBody(_Body):
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -196,8 +199,6 @@ def _refuse_unsupported(body: CompletionBody | ChatBody) -> None:
             refuse(name, "penalties are not supported (only 0)")
     if body.logit_bias:
         refuse("logit_bias", "not supported")
-    if body.logprobs:
-        refuse("logprobs", "log probabilities are not returned")
     if isinstance(body, CompletionBody):
         if body.echo:
             refuse("echo", "not supported")
@@ -213,8 +214,8 @@ def _refuse_unsupported(body: CompletionBody | ChatBody) -> None:
         return
     if body.tools or body.tool_choice not in (None, "none"):
         refuse("tools", "tool calling is not supported")
-    if body.top_logprobs:
-        refuse("top_logprobs", "log probabilities are not returned")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     if body.response_format and body.response_format.get("type") != "text":
         refuse("response_format", 'only {"type": "text"} is supported')
     for i, m in enumerate(body.messages):
@@ -244,6 +245,8 @@ def to_generate(body: CompletionBody | ChatBody) -> generation_pb2.GenerateReque
     )
     if isinstance(body, CompletionBody):
         req.max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        if body.logprobs is not None:  # (the count of top tokens: 0 is the chosen one alone)
+            req.logprobs, req.top_logprobs = True, body.logprobs
         prompt = body.prompt
         if isinstance(prompt, list) and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a list of one prompt
@@ -253,6 +256,7 @@ def to_generate(body: CompletionBody | ChatBody) -> generation_pb2.GenerateReque
             req.prompt_ids.ids.extend(prompt)
         return req
     req.max_tokens = body.max_completion_tokens or body.max_tokens or 0  # 0: the gateway's
+    req.logprobs, req.top_logprobs = bool(body.logprobs), body.top_logprobs or 0
     for m in body.messages:
         role = "system" if m.role == "developer" else m.role  # (developer is OpenAI's new system)
         parts = m.content if isinstance(m.content, list) else [m.content or ""]
@@ -270,10 +274,13 @@ class Completion:
     kind: str
     model: str
     include_usage: bool = False
+    token_text: Callable[[int], str] | None = None  # with logprobs: a token's own text
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     final: generation_pb2.FinalInfo | None = None
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # not yet sent
+    offset: int = 0  # characters of the tokens sent before `logprobs` (completions' text_offset)
 
     def _name(self, chunk: generation_pb2.GenerateResponse) -> None:
         if not self.id:
@@ -282,6 +289,7 @@ class Completion:
     def add(self, chunk: generation_pb2.GenerateResponse) -> None:
         self._name(chunk)
         self.text.append(chunk.text)
+        self.logprobs.extend(chunk.logprobs)
         if chunk.HasField("final"):
             self.final = chunk.final
 
@@ -297,7 +305,36 @@ class Completion:
             choice["delta"] = {"content": text} if text or finish is None else {}
         else:
             choice["message"] = {"role": "assistant", "content": text}
-        return choice | {"logprobs": None, "finish_reason": finish}
+        return choice | {"logprobs": self._logprobs(), "finish_reason": finish}
+
+    def _logprobs(self) -> dict[str, Any] | None:
+        """OpenAI's `logprobs` of the tokens not yet sent (None unless the request asked)."""
+        if self.token_text is None:
+            return None
+        entries, self.logprobs = self.logprobs, []
+        text = self.token_text
+        if self.kind == CHAT:
+            return {
+                "content": [
+                    _chat_entry(text(e.token_id), e.logprob)
+                    | {"top_logprobs": [_chat_entry(text(t.token_id), t.logprob) for t in e.top]}
+                    for e in entries
+                ],
+                "refusal": None,
+            }
+        tokens = [text(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": [
+                {text(t.token_id): _finite(t.logprob) for t in e.top} for e in entries
+            ],
+            "text_offset": offsets,
+        }
 
     def response(self) -> dict[str, Any]:
         """The whole answer (stream: false)."""
@@ -320,7 +357,7 @@ class Completion:
         """What one of the gateway's chunks becomes in an SSE stream."""
         self.add(chunk)
         finish = self._finish() if self.final is not None else None
-        if not chunk.text and finish is None:
+        if not chunk.text and finish is None:  # (its tokens' logprobs go with the next text)
             return []
         body = self._head(chunk=True)
         body["choices"] = [self._choice(chunk.text, finish, delta=True)]
@@ -353,3 +390,13 @@ class Completion:
                 "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
             }
         return out
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf or NaN: a token the model rules out (or one whose value is not known)
+    gets -9999.0, as vLLM reports it."""
+    return logprob if math.isfinite(logprob) else -9999.0

@@ -12,13 +12,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from functools import lru_cache, partial
 
 import grpc
 from google.protobuf import json_format
 from opentelemetry import trace
 
-from ..common import models, prefix, telemetry
+from ..common import logprobs, models, prefix, telemetry
 from ..common.grpc_server import AioServer, retrying_channel
 from ..common.outage import REDIS_ERRORS
 from ..common.rollout import by_pool, choose_pool, pool_shares, versions
@@ -105,6 +105,8 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
     ):
         self.settings = settings
         self.tokenizer = tokenizer
+        # A token's own text (the logprobs of the HTTP API name tokens by it), remembered.
+        self.token_text = lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
         self.store = store
         self.scheduler = scheduler
         self.manifest = manifest
@@ -554,6 +556,8 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             session_id=who.scoped(req.session_id) if req.session_id else "",  # a tenant's own
             tenant=who.tenant,
             prefix_scope=prefix.scope_of(self.settings.prefix_cache_scope, who.tenant),
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs,
         )
 
     async def _stream(self, call: Call, stop: list[str], context, start: int = 0):
@@ -591,10 +595,11 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                     continue
                 for entry_id, fields in entries:
                     ids = [int(t) for t in fields["ids"].split(",")] if fields.get("ids") else []
+                    lps = fields["lp"].split(";") if "lp" in fields else []
                     first = int(fields["first"])
                     if skip := max(0, min(len(ids), start - first)):  # delivered before
                         trimmer.push(detok.add(ids[:skip]))
-                        ids, first = ids[skip:], first + skip
+                        ids, lps, first = ids[skip:], lps[skip:], first + skip
                     if ids:
                         text = trimmer.push(detok.add(ids))
                         committed_ms = int(entry_id.partition("-")[0])
@@ -606,6 +611,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                             token_ids=ids,
                             first_index=first,
                             model_version=fields.get("v", ""),
+                            logprobs=map(token_logprob, ids, lps),
                         )
                         start = first + len(ids)
                         call.first_token_at = call.first_token_at or time.monotonic()
@@ -740,9 +746,22 @@ def serving_versions(verifiers: list[dict[str, str]], canary_share: float, rid: 
     return versions(pools.get(choose_pool(rid, canary_share, set(pools)), []))
 
 
+def token_logprob(token_id: int, entry: str) -> common_pb2.TokenLogprob:
+    """A token's log-probabilities from its output stream entry (common/logprobs.py)."""
+    own, top = logprobs.decode(entry)
+    return common_pb2.TokenLogprob(
+        token_id=token_id,
+        logprob=own,
+        top=[common_pb2.TokenLogprob(token_id=i, logprob=x) for i, x in top],
+    )
+
+
 def replayable(submit: scheduler_pb2.SubmitRequest) -> bool:
     """Whether a request is deterministic (greedy, or sampling with a seed), so a result
-    cache entry may answer it; unseeded sampling never is."""
+    cache entry may answer it; unseeded sampling never is. (Nor is one that asks for
+    log-probabilities: the cache keeps token ids alone.)"""
+    if submit.logprobs:
+        return False
     return submit.sampling.temperature <= 0 or submit.sampling.HasField("seed")
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from ..common.capacity import kv_fit_problem
+from ..common.logprobs import MAX_TOP_LOGPROBS
 from ..v1 import common_pb2, generation_pb2
 
 ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # request and session ids, matched whole
@@ -81,6 +82,12 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits) -> None:
         raise InvalidRequest("speculation.mode", f"unknown mode {req.speculation.mode}")
     if req.speculation.HasField("tree_size") and not 0 <= req.speculation.tree_size <= 256:
         raise InvalidRequest("speculation.tree_size", "must be in [0, 256]")
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}"
+        )
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("top_logprobs", "needs logprobs: true")
     if req.request_id:
         check_id("request_id", req.request_id)
     if req.session_id:

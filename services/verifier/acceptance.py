@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 class Verdict:
     accepted: list[int]  # node indices of the accepted path, root first
     tokens: list[int]  # the accepted nodes' tokens, then the bonus token
+    logprobs: list[str] | None = None  # per token, when asked for (logprobs.py)
 
 
 @dataclass(frozen=True)

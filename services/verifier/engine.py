@@ -29,7 +29,7 @@ from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
 from ..common.store import RequestStore, StepState
 from ..common.tree import DraftTree
 from ..engine.tensor_parallel import ShardsLost
-from . import metrics, preemption, stages
+from . import logprobs, metrics, preemption, stages
 from .acceptance import Candidates, NonFinite, Verdict, select_each
 from .admission import Admission, Grant
 from .runner import ModelRunner, describe
@@ -316,11 +316,17 @@ class Engine:
             for part, tree, rows in zip(plan.parts, trees, logits, strict=True)
             if part.complete and not isinstance(rows, Exception)
         ]
-        verdicts = iter(
-            select_each(
-                [Candidates(tree, rows, seq.params, seq.generator) for seq, tree, rows in ready]
-            )
+        decided = select_each(
+            [Candidates(tree, rows, seq.params, seq.generator) for seq, tree, rows in ready]
         )
+        scored = [
+            (rows, verdict, seq.top_logprobs)
+            for (seq, _, rows), verdict in zip(ready, decided, strict=True)
+            if seq.logprobs and isinstance(verdict, Verdict)
+        ]
+        if scored:  # (from the rows this step computed: one transfer for them all)
+            logprobs.score(*zip(*scored, strict=True))
+        verdicts = iter(decided)
         accepted = 0
         for part, tree, rows in zip(plan.parts, trees, logits, strict=True):
             if isinstance(rows, Exception):
@@ -352,6 +358,8 @@ class Engine:
         try:
             if isinstance(verdict, Exception):
                 raise verdict
+            if seq.logprobs and verdict.logprobs is None:
+                raise RuntimeError("its tokens' log-probabilities could not be computed")
             return self._commit(seq, tree, verdict)
         except Exception as e:
             log.exception("step failed for one request", extra={"request_id": seq.request_id})
@@ -363,6 +371,7 @@ class Engine:
         output go back to what was committed; its slot and reservation go when it retires."""
         was.rewind(seq)
         del seq.output_ids[was.outputs :]
+        del seq.output_logprobs[was.outputs :]
         seq.finish_reason, seq.error = "FINISH_REASON_ERROR", why
         metrics.FAILED_SEQUENCES.inc()
         log.warning("request failed in a step", extra={"request_id": seq.request_id, "error": why})
@@ -371,7 +380,7 @@ class Engine:
         """Keeps the KV of what the target agreed with, appends its tokens; returns how many
         draft tokens it accepted."""
         self.runner.commit(seq, tree, verdict.accepted)
-        emitted = seq.extend(verdict.tokens, self._finished)
+        emitted = seq.extend(verdict.tokens, self._finished, verdict.logprobs)
         accepted = min(len(verdict.accepted), emitted)
         if len(tree):  # the path was checked up to its first rejection, if it had one
             levels = max(tree.depths()) + 1
@@ -417,7 +426,11 @@ class Engine:
         goes on growing while an async write travels)."""
         return (
             self.verifier_id,
-            [(s.request_id, s.num_emitted, s.output_ids[s.num_emitted :]) for s in seqs],
+            [
+                (s.request_id, s.num_emitted, s.output_ids[s.num_emitted :])
+                + ((s.output_logprobs[s.num_emitted :],) if s.logprobs else ())
+                for s in seqs
+            ],
             self.served["model_version"],
             self.incarnation,
             self.max_unread_tokens,

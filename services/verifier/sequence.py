@@ -41,6 +41,9 @@ class Sequence:
     preemptions: int = 0
     recompute_to: int = 0  # tokens to prefill again after a preemption (prompt and output)
     output_ids: list[int] = field(default_factory=list)
+    logprobs: bool = False  # whether its tokens' log-probabilities are returned ...
+    top_logprobs: int = 0  # ... with this many most likely tokens each
+    output_logprobs: list[str] = field(default_factory=list)  # with logprobs: per output id
     num_emitted: int = 0
     kv: SequenceKV | None = None  # the target's KV entries of all_ids[:kv.length]
     generator: torch.Generator | None = None
@@ -110,14 +113,22 @@ class Sequence:
         self.error = f"its client read no output for {timeout_seconds:g}s (pause_timeout_seconds)"
         return True
 
-    def extend(self, tokens: list[int], finished: Callable[[Sequence], str | None]) -> int:
-        """Appends tokens until `finished` names a reason; returns how many were appended."""
+    def extend(
+        self,
+        tokens: list[int],
+        finished: Callable[[Sequence], str | None],
+        logprobs: list[str] | None = None,
+    ) -> int:
+        """Appends tokens (and with `logprobs` on, their entries) until `finished` names a
+        reason; returns how many were appended."""
         now = time.time() * 1000
         if not self.output_ids:
             self.first_token_ms = now
         self.last_token_ms = now
         for count, token in enumerate(tokens, 1):
             self.output_ids.append(token)
+            if self.logprobs:
+                self.output_logprobs.append(logprobs[count - 1])
             if finished(self):
                 return count
         return len(tokens)

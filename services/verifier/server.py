@@ -14,7 +14,7 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from ..common import models, telemetry
+from ..common import logprobs, models, telemetry
 from ..common.grpc_server import Server
 from ..common.settings import ConfigError, VerifierSettings
 from ..common.store import RequestStore, heartbeat_forever, now_ms
@@ -60,6 +60,10 @@ def sequence_from_record(rec, restored: list[int]) -> Sequence:
         prefix_scope=spec.get("prefix_scope", ""),  # (the gateway's choice)
         deadline_ms=int(spec.get("deadline_unix_ms", 0)),
         output_ids=list(restored),
+        logprobs=bool(spec.get("logprobs")),
+        top_logprobs=int(spec.get("top_logprobs", 0)),
+        # (the restored tokens' entries are in the output stream already: never written again)
+        output_logprobs=[logprobs.UNKNOWN] * len(restored) if spec.get("logprobs") else [],
         num_emitted=len(restored),
         restored=len(restored),
         queue=rec.queue,
