@@ -36,6 +36,20 @@ def test_a_step_write_lands_once_whatever_is_retried(store):
     assert store.progress("r") == [10, 11, 12, 13, 14, 15, 16]
 
 
+def test_log_probabilities_land_with_their_tokens_whatever_is_retried(store):
+    running(store, "r")
+    lps = ["-0.5 10:-0.5", "-1 11:-1", "-2 7:-0.1", "-3 7:-0.2"]
+    assert store.commit_step("v1", [("r", 0, [10, 11], lps[:2])]) == [(0, 2)]
+    assert store.commit_step("v1", [("r", 0, [10, 11, 12, 13], lps)]) == [(0, 4)]
+    entries = [f for _, f in store.r.xrange("specserve:out:r")]
+    assert [(f["ids"], f["lp"]) for f in entries] == [
+        ("10,11", ";".join(lps[:2])),
+        ("12,13", ";".join(lps[2:])),  # the part past what landed, id for id
+    ]
+    store.commit_step("v1", [("r", 4, [14])])  # without: no field
+    assert "lp" not in store.r.xrange("specserve:out:r")[-1][1]
+
+
 def test_a_requeued_request_is_fenced_from_its_old_verifier(store):
     running(store, "r")
     store.commit_step("v1", [("r", 0, [7, 8, 9])])
