@@ -8,6 +8,7 @@ Fields it knows but cannot honour (n > 1, tools, penalties...) are refused by na
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -45,6 +46,7 @@ NOT_RETRIED = {
     grpc.StatusCode.ALREADY_EXISTS,
 }
 INT32_MAX = 2**31 - 1
+HTTP_NAMES = {"grammar": "response_format"}  # gRPC field -> the OpenAI request's
 FINISH = {
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_MAX_SEQ_LEN: "length",
@@ -86,8 +88,11 @@ class ApiError(Exception):
         """The gateway's gRPC status as the OpenAI API's error; a field the detail names
         ("max_tokens: ...") becomes `param`, and a retry hint becomes Retry-After."""
         status, type_, openai_code = HTTP_STATUS.get(code, (500, "server_error", None))
-        head, sep, _ = details.partition(": ")
+        head, sep, rest = details.partition(": ")
         param = head if sep and status == 400 and " " not in head else None
+        if param in HTTP_NAMES:  # (a gRPC field the HTTP request named otherwise)
+            param = HTTP_NAMES[param]
+            details = f"{param}: {rest}"
         headers = {}
         if retry_after_ms is not None:
             headers = {
@@ -113,7 +118,8 @@ TokenList = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min
 
 
 class _Body(_Strict):
-    """What both endpoints take. `priority` and `session_id` are this service's own."""
+    """What both endpoints take. `priority`, `session_id` and `speculation` are this
+    service's own."""
 
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -130,6 +136,7 @@ class _Body(_Strict):
     service_tier: str | None = None
     priority: Literal["interactive", "batch"] | None = None
     session_id: str | None = None
+    speculation: Literal["auto", "off"] | None = None
     user: str | None = None
 
 
@@ -140,6 +147,7 @@ class CompletionBody(_Body):
     best_of: int | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # (as vLLM takes it on completions too)
 
 
 class ContentPart(_Strict):
@@ -199,6 +207,7 @@ def _refuse_unsupported(body: CompletionBody | ChatBody) -> None:
             refuse(name, "penalties are not supported (only 0)")
     if body.logit_bias:
         refuse("logit_bias", "not supported")
+    _grammar(body.response_format)  # (refused here if malformed)
     if isinstance(body, CompletionBody):
         if body.echo:
             refuse("echo", "not supported")
@@ -216,8 +225,6 @@ def _refuse_unsupported(body: CompletionBody | ChatBody) -> None:
         refuse("tools", "tool calling is not supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-    if body.response_format and body.response_format.get("type") != "text":
-        refuse("response_format", 'only {"type": "text"} is supported')
     for i, m in enumerate(body.messages):
         if m.role in ("tool", "function"):
             refuse(f"messages.{i}.role", f"{m.role} messages are not supported")
@@ -243,6 +250,10 @@ def to_generate(body: CompletionBody | ChatBody) -> generation_pb2.GenerateReque
         else common_pb2.PRIORITY_CLASS_INTERACTIVE,
         session_id=body.session_id or "",
     )
+    if body.speculation == "off":
+        req.speculation.mode = common_pb2.SPECULATION_MODE_OFF
+    if (grammar := _grammar(body.response_format)) is not None:
+        req.grammar.CopyFrom(grammar)
     if isinstance(body, CompletionBody):
         req.max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         if body.logprobs is not None:  # (the count of top tokens: 0 is the chosen one alone)
@@ -263,6 +274,32 @@ def to_generate(body: CompletionBody | ChatBody) -> generation_pb2.GenerateReque
         text = "\n".join(p if isinstance(p, str) else p.text or "" for p in parts)
         req.messages.messages.add(role=role, content=text)
     return req
+
+
+def _grammar(response_format: dict[str, Any] | None) -> common_pb2.Grammar | None:
+    """The grammar a `response_format` asks for: none for text, any JSON object for
+    `json_object`, the schema of `json_schema` ({"name", "schema", "strict"}); a 400 naming
+    response_format for anything else. (Whether the schema compiles, the gateway says.)"""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return common_pb2.Grammar(json_schema='{"type": "object"}')
+    if kind != "json_schema":
+        raise ApiError(
+            400,
+            f"response_format: type must be text, json_object or json_schema, got {kind!r}"[:200],
+            param="response_format",
+        )
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+    if not isinstance(schema, dict | bool):
+        raise ApiError(
+            400,
+            'response_format: json_schema must be {"name": ..., "schema": {...}}',
+            param="response_format",
+        )
+    return common_pb2.Grammar(json_schema=json.dumps(schema))
 
 
 # --- responses ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import grpc
 from google.protobuf import json_format
 from opentelemetry import trace
 
-from ..common import logprobs, models, prefix, telemetry
+from ..common import grammar, logprobs, models, prefix, telemetry
 from ..common.grpc_server import AioServer, retrying_channel
 from ..common.outage import REDIS_ERRORS
 from ..common.rollout import by_pool, choose_pool, pool_shares, versions
@@ -107,6 +107,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         self.tokenizer = tokenizer
         # A token's own text (the logprobs of the HTTP API name tokens by it), remembered.
         self.token_text = lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
+        self.grammars = grammar.Grammars(tokenizer, len(tokenizer))
         self.store = store
         self.scheduler = scheduler
         self.manifest = manifest
@@ -536,6 +537,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         if not ids:
             raise InvalidRequest(which, "tokenizes to no tokens")
         check_prompt_length(len(ids), self.limits)
+        self._check_grammar(req.grammar)
         default = self.limits.default_max_tokens
         if who.limits is not None:
             default = min(default, who.limits.max_tokens)
@@ -558,7 +560,18 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             prefix_scope=prefix.scope_of(self.settings.prefix_cache_scope, who.tenant),
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs,
+            grammar=req.grammar,
         )
+
+    def _check_grammar(self, field: common_pb2.Grammar) -> None:
+        """Compiles a request's grammar (kept: its verifier compiles the same text), so one
+        that cannot be used is refused here, naming why."""
+        try:
+            text = grammar.source(field)
+            if text is not None:
+                self.grammars.matcher(text)
+        except grammar.GrammarError as e:
+            raise InvalidRequest("grammar", str(e)) from None
 
     async def _stream(self, call: Call, stop: list[str], context, start: int = 0):
         """Chunks of the output stream from token index `start` on; the tokens before it only
@@ -639,6 +652,8 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
     async def _final_chunk(self, rid: str, final: dict, text: str, first: int, context):
         error = final.pop("error", "")
         if final.get("finish_reason") == "FINISH_REASON_ERROR":
+            if error.startswith("grammar: "):  # (the request's grammar ran past its limits)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
             await context.abort(
                 grpc.StatusCode.INTERNAL, f"generation failed: {error or 'unknown'}"
             )
@@ -778,6 +793,7 @@ def result_cache_key(submit: scheduler_pb2.SubmitRequest, model_version: str) ->
         "prompt": list(submit.prompt_ids),
         "max_tokens": submit.max_tokens,
         "stop": list(submit.stop),
+        "grammar": json_format.MessageToDict(submit.grammar),
     }
     if sampling.temperature > 0:
         parts["sampling"] = json_format.MessageToDict(sampling)

@@ -42,7 +42,7 @@ import torch
 
 from ..common.tree import DraftTree
 from ..engine.batch import Packer
-from . import rejection
+from . import constraint, rejection
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class Candidates:
     logits: torch.Tensor  # [nodes + 1, vocab]: row 0 after the root, row i+1 after node i
     params: SamplingParams
     generator: torch.Generator | None = None  # on the logits' device; None: the global one
+    mask: torch.Tensor | None = None  # [nodes + 1, words]: its grammar's (constraint.py)
 
 
 def accept(
@@ -85,6 +86,11 @@ def select(batch: list[Candidates]) -> list[Verdict | NonFinite]:
     greedy = sum(c.params.greedy for c in ordered)  # the first `greedy` of `ordered`
     device = ordered[0].logits.device
     layout = Layout.of([c.tree for c in ordered], [len(c.tree) for c in batch], device)
+    finite = layout.finite(row_sums([c.logits for c in batch]))  # [seqs], in batch order
+    with torch.inference_mode():  # (the logits are the forward's: changed in place)
+        for c in batch:
+            if c.mask is not None:  # (after the finite check: -inf is the mask's)
+                constraint.apply(c.logits, c.mask)
     chosen, best = _greedy_choices(ordered[:greedy], layout)
     sampled = None
     if greedy < len(ordered):
@@ -92,7 +98,6 @@ def select(batch: list[Candidates]) -> list[Verdict | NonFinite]:
         chosen = torch.cat([chosen, sampled.chosen])
     accepted, ends = layout.paths(chosen)  # [seqs, width], [seqs]
     bonus = best[layout.row_start[:greedy] + ends[:greedy]]  # [greedy seqs]
-    finite = layout.finite(row_sums([c.logits for c in batch]))  # [seqs], in batch order
     flags, tokens, ok = _to_host(accepted, bonus, finite)  # the step's one transfer for greedy
     paths = [
         [i for i in range(len(c.tree)) if flags[s][i]] for s, c in enumerate(ordered)

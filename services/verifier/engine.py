@@ -32,6 +32,7 @@ from ..engine.tensor_parallel import ShardsLost
 from . import logprobs, metrics, preemption, stages
 from .acceptance import Candidates, NonFinite, Verdict, select_each
 from .admission import Admission, Grant
+from .constraint import GrammarViolation
 from .runner import ModelRunner, describe
 from .sampling import make_generator
 from .sequence import Committed, Sequence
@@ -99,6 +100,7 @@ class Engine:
         # step computes; one write is in flight at most (`_send`, `_landed`).
         self._writer = ThreadPoolExecutor(1, "step-writer") if async_writes else None
         self._in_flight: tuple[Future, list[Sequence]] | None = None
+        self._masking = ThreadPoolExecutor(1, "grammar")  # (constrained requests' masks)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # --- called from RPC threads ----------------------------------------------------------
@@ -243,9 +245,10 @@ class Engine:
         ok = True
         if plan.parts:
             with stages.step_span(plan) as span:
-                trees = self._fit(plan, self._draft(plan, span))
+                trees = self._fit(plan, self._guide(plan, self._draft(plan, span)))
+                masks = self._masks(plan, trees)  # (computed while the forward runs)
                 logits = self._verify(plan, trees)
-                ok = self._accept(plan, trees, logits, span)
+                ok = self._accept(plan, trees, logits, masks.result(), span)
         self.steps += 1
         metrics.STEPS.inc()
         self._emit(list(self.running.values()))
@@ -286,6 +289,46 @@ class Engine:
         stages.drafted(span, trees)
         return trees
 
+    def _guide(self, plan: StepPlan, trees: list[DraftTree]) -> list[DraftTree]:
+        """The drafts of sequences with a grammar, shaped by it (constraint.py): where it
+        forces the next tokens, they are the draft; else the tree less what it rules out."""
+        guided = []
+        for part, tree in zip(plan.parts, trees, strict=True):
+            seq = part.seq
+            if seq.constraint is not None and seq.speculate and not part.prefilling:
+                left = min(seq.max_tokens, self.max_seq_len - len(seq.prompt_ids))
+                try:
+                    forced = seq.constraint.forced(left - len(seq.output_ids) - 1)
+                    tree = forced if forced is not None else seq.constraint.prune(tree)
+                except GrammarViolation:
+                    pass  # (its masks say so, and end it)
+            guided.append(tree)
+        return guided
+
+    def _masks(self, plan: StepPlan, trees: list[DraftTree]) -> Future:
+        """Each part's grammar masks (None without a grammar, or for a prompt chunk that
+        emits nothing), computed on a thread of their own: the grammar engine leaves the
+        interpreter lock while it works, so they are ready when the forward pass is."""
+
+        def masks() -> list[torch.Tensor | GrammarViolation | None]:
+            found = []
+            for part, tree in zip(plan.parts, trees, strict=True):
+                try:
+                    found.append(
+                        part.seq.constraint.masks(tree)[0]
+                        if part.seq.constraint is not None and part.complete
+                        else None
+                    )
+                except GrammarViolation as e:
+                    found.append(e)
+            return found
+
+        if not any(part.seq.constraint is not None for part in plan.parts):
+            done: Future = Future()
+            done.set_result([None] * len(plan.parts))
+            return done
+        return self._masking.submit(masks)
+
     def _verify(self, plan: StepPlan, trees: list[DraftTree]) -> list[torch.Tensor | Exception]:
         """The target's logits per sequence, or the error that stops it (runner.py)."""
         with stages.stage("verify", metrics.VERIFY_SECONDS) as timing:
@@ -307,21 +350,30 @@ class Engine:
             )
         return logits
 
-    def _accept(self, plan: StepPlan, trees: list[DraftTree], logits: list, span) -> bool:
+    def _accept(
+        self, plan: StepPlan, trees: list[DraftTree], logits: list, masks: list, span
+    ) -> bool:
         """Accepts, commits and appends each sequence's tokens. A failure is the failing
         sequence's alone: it ends with FINISH_REASON_ERROR, its KV back at its last committed
         length, while the rest of the batch goes on as if it had never been there."""
+        logits = [  # (a grammar that can go no further ends its sequence, with why)
+            mask if isinstance(mask, GrammarViolation) else rows
+            for rows, mask in zip(logits, masks, strict=True)
+        ]
         ready = [  # (a prefill chunk yields no token until the prompt is all in)
-            (part.seq, tree, rows)
-            for part, tree, rows in zip(plan.parts, trees, logits, strict=True)
+            (part.seq, tree, rows, mask)
+            for part, tree, rows, mask in zip(plan.parts, trees, logits, masks, strict=True)
             if part.complete and not isinstance(rows, Exception)
         ]
         decided = select_each(
-            [Candidates(tree, rows, seq.params, seq.generator) for seq, tree, rows in ready]
+            [
+                Candidates(tree, rows, seq.params, seq.generator, mask)
+                for seq, tree, rows, mask in ready
+            ]
         )
         scored = [
             (rows, verdict, seq.top_logprobs)
-            for (seq, _, rows), verdict in zip(ready, decided, strict=True)
+            for (seq, _, rows, _), verdict in zip(ready, decided, strict=True)
             if seq.logprobs and isinstance(verdict, Verdict)
         ]
         if scored:  # (from the rows this step computed: one transfer for them all)

@@ -11,6 +11,7 @@ import torch
 from ..common.tree import DraftTree
 from ..engine.flat_model import FlatModel, Segment
 from ..engine.tensor_parallel import ShardsLost
+from .constraint import GrammarViolation
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ def rewind(seqs: list[Sequence], computed: list[int]) -> None:
 
 def describe(error: BaseException) -> str:
     """An error's type and first line, short enough for a client to read."""
-    if isinstance(error, StepFailed):
+    if isinstance(error, StepFailed | GrammarViolation):
         return str(error)
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]

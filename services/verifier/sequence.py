@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..engine.flat_model import SequenceKV
+from .constraint import Constraint
 from .sampling import SamplingParams
 
 
@@ -44,6 +45,7 @@ class Sequence:
     logprobs: bool = False  # whether its tokens' log-probabilities are returned ...
     top_logprobs: int = 0  # ... with this many most likely tokens each
     output_logprobs: list[str] = field(default_factory=list)  # with logprobs: per output id
+    constraint: Constraint | None = None  # its grammar, at its output so far
     num_emitted: int = 0
     kv: SequenceKV | None = None  # the target's KV entries of all_ids[:kv.length]
     generator: torch.Generator | None = None
@@ -126,6 +128,8 @@ class Sequence:
             self.first_token_ms = now
         self.last_token_ms = now
         for count, token in enumerate(tokens, 1):
+            if self.constraint is not None:
+                self.constraint.consume(token)
             self.output_ids.append(token)
             if self.logprobs:
                 self.output_logprobs.append(logprobs[count - 1])
@@ -145,6 +149,8 @@ class Sequence:
             self.error = "the deadline passed while it ran"
         elif self.output_ids and self.output_ids[-1] in eos_ids:
             reason = "FINISH_REASON_EOS"
+        elif self.constraint is not None and self.constraint.complete:
+            reason = "FINISH_REASON_STOP"  # the output is whole: its grammar allows no more
         elif self.stop and any(s in decode_tail(self) for s in self.stop):
             reason = "FINISH_REASON_STOP"
         elif len(self.output_ids) >= self.max_tokens:
@@ -198,6 +204,8 @@ class Committed:
     def rewind(self, seq: Sequence) -> None:
         if seq.kv is not None:
             seq.kv.truncate(self.kv_length)
+        if seq.constraint is not None:
+            seq.constraint.rollback_to(self.outputs)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

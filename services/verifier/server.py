@@ -11,19 +11,23 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf import json_format
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from ..common import logprobs, models, telemetry
+from ..common import grammar, logprobs, models, telemetry
+from ..common.grammar import Grammars
 from ..common.grpc_server import Server
 from ..common.settings import ConfigError, VerifierSettings
 from ..common.store import RequestStore, heartbeat_forever, now_ms
 from ..engine.flat_model import CompileFailed, FlatModel
 from ..engine.tensor_parallel import ShardError, shard_config
+from ..v1 import common_pb2
 from ..v1 import verifier_pb2 as pb
 from ..v1 import verifier_pb2_grpc as pb_grpc
 from . import metrics
 from .admission import Admission, Refused, kv_budget
+from .constraint import Constraint, GrammarViolation
 from .drafter_pool import registered_drafters
 from .engine import Engine
 from .ranks import Ranks
@@ -73,6 +77,21 @@ def sequence_from_record(rec, restored: list[int]) -> Sequence:
     )
 
 
+def constrain(seq: Sequence, spec: dict, grammars: Grammars, eos_ids: set[int]) -> None:
+    """Gives a sequence its grammar's matcher, past the tokens it already has; one that
+    cannot be built (the gateway compiled it: a version apart?) ends the request with why."""
+    if not spec.get("grammar"):
+        return
+    try:
+        text = grammar.source(json_format.ParseDict(spec["grammar"], common_pb2.Grammar()))
+        seq.constraint = Constraint(grammars.matcher(text), grammars.vocab_size, eos_ids)
+        for token in seq.output_ids:
+            seq.constraint.consume(token)
+    except (grammar.GrammarError, GrammarViolation) as e:
+        seq.constraint = None
+        seq.finish_reason, seq.error = "FINISH_REASON_ERROR", f"grammar: {e}"
+
+
 # Settings that name or place this process rather than shape what it serves.
 PLACE_KEYS = {
     "host",
@@ -119,9 +138,11 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
         store: RequestStore,
         verifier_id: str,
         served: Served,
+        grammars: Grammars,
     ):
         self.settings = settings
         self.engine = engine
+        self.grammars = grammars
         self.store = store
         self.verifier_id = verifier_id
         self.incarnation = engine.incarnation
@@ -151,6 +172,7 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
         if rec is None or rec.status != "queued":
             return pb.AdmitResponse(admitted=False, reason="the request is not queued")
         seq = sequence_from_record(rec, self.store.progress(rid) if rec.generated else [])
+        constrain(seq, rec.spec, self.grammars, self.engine.eos_ids)
         try:
             grant = admission.admit(rid, seq.queue, seq.all_ids, seq.prefix_scope)
         except Refused as e:
@@ -393,7 +415,8 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
         async_writes=settings.async_step_writes,
     )
     engine.on_lost = server.fail  # (a lost rank: the verifier exits, to restart as a group)
-    service = VerifierService(settings, engine, store, vid, served)
+    grammars = Grammars(tokenizer, model.config.vocab_size * settings.tensor_parallel)
+    service = VerifierService(settings, engine, store, vid, served, grammars)
     pb_grpc.add_VerifierServiceServicer_to_server(service, server.grpc)
     stop_hb = threading.Event()
     engine.start()

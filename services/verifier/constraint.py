@@ -1,0 +1,135 @@
+"""A request's grammar on the verifier (structured outputs): which tokens may come next at
+every row of its step, so that selection only ever keeps tokens the grammar allows.
+
+The matcher (common/grammar.py) stands at the sequence's committed output. For a step, it is
+walked down the draft tree depth first, consuming each node's token and rolling back after
+its subtree, and the mask of allowed tokens is computed at the root and after every node:
+row i of the masks is the grammar's answer for logits row i. Selection (acceptance.py) sets
+the target's disallowed logits to -inf before it decides, so greedy output is plain
+constrained decoding's token for token, and sampled output follows the constrained target
+distribution: the draft proposes, the masked target decides, as without a grammar.
+
+Before that, drafts are shaped by the grammar where it is free to: nodes whose token the
+grammar does not allow are cut from deterministic trees (they could never be accepted), and
+where the grammar forces the next tokens (a schema's keys and punctuation), those tokens are
+the step's draft, a chain that costs no draft pass and that the target accepts whole (its
+masked distribution there is a point mass).
+"""
+
+from __future__ import annotations
+
+import llguidance
+import llguidance.torch
+import torch
+
+from ..common.tree import DraftTree
+
+FORCED_MAX = 16  # tokens of a forced run drafted in one step
+
+
+class GrammarViolation(RuntimeError):
+    """The matcher can go no further: its grammar ran past the engine's limits (a grammar
+    that compiles may still need more work per token than `LLParserLimits` allow), or a token
+    it does not allow reached it. The message says which; the request ends with it."""
+
+
+class Constraint:
+    """One sequence's matcher, at its output so far (`consumed` tokens of it)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: set[int]):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.consumed = 0
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise GrammarViolation(
+                f"grammar: stopped at output token {self.consumed}: "
+                f"{self.matcher.get_error()[:200]}"
+            )
+        self.consumed += 1
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarViolation(
+                f"grammar: stopped at output token {self.consumed}: "
+                f"{self.matcher.get_error()[:200]}"
+            )
+
+    def rollback_to(self, consumed: int) -> None:
+        """Back to the state after `consumed` tokens (a step that failed is undone)."""
+        if consumed < self.consumed:
+            self.matcher.rollback(self.consumed - consumed)
+            self.consumed = consumed
+
+    @property
+    def complete(self) -> bool:
+        """The output is a whole string of the grammar, and nothing may follow it."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+    def forced(self, limit: int) -> DraftTree | None:
+        """The tokens the grammar forces next, as a chain of at most `limit`; None if none."""
+        tokens = self.matcher.compute_ff_tokens()[: min(limit, FORCED_MAX)]
+        self._check()
+        if not tokens:
+            return None
+        return DraftTree(tokens, list(range(-1, len(tokens) - 1)), model_free=True)
+
+    def masks(self, tree: DraftTree) -> tuple[torch.Tensor, list[bool]]:
+        """[nodes + 1, words] int32 bitmasks, row 0 at the current state and row i + 1 after
+        node i's path; and per node whether the grammar allows its path. A node the grammar
+        does not allow has its row left all ones: it is never accepted, so its row is never
+        read."""
+        masks = llguidance.torch.allocate_token_bitmask(len(tree) + 1, self.vocab_size)
+        legal = [False] * len(tree)
+        kids = tree.children()
+        llguidance.torch.fill_next_token_bitmask(self.matcher, masks, 0)
+        self._check()
+
+        def down(node: int) -> None:  # the matcher stands at `node`'s path
+            row = masks[node + 1]
+            for child in kids.get(node, []):
+                token = tree.token_ids[child]
+                if not _allows(row, token):
+                    continue
+                self.consume(token)
+                legal[child] = True
+                if token not in self.eos_ids:  # (nothing follows an end of sequence)
+                    llguidance.torch.fill_next_token_bitmask(self.matcher, masks, child + 1)
+                    self._check()
+                    down(child)
+                self.rollback_to(self.consumed - 1)
+
+        down(-1)
+        return masks, legal
+
+    def prune(self, tree: DraftTree) -> DraftTree:
+        """The tree without the nodes the grammar does not allow (and their subtrees). A tree
+        with draft distributions is kept whole: sampled children are rejected in their drawn
+        order, and leaving a draw out would change what the rest are accepted with."""
+        if not len(tree) or tree.dists:
+            return tree
+        _, legal = self.masks(tree)
+        if all(legal):
+            return tree
+        kept = DraftTree(model_free=tree.model_free)
+        index: dict[int, int] = {-1: -1}
+        for i, (token, parent) in enumerate(zip(tree.token_ids, tree.parents, strict=True)):
+            if legal[i] and parent in index:
+                index[i] = kept.add(token, index[parent])
+        return kept
+
+
+def _allows(row: torch.Tensor, token: int) -> bool:
+    return token >> 5 < row.shape[0] and (int(row[token >> 5]) >> (token & 31)) & 1 == 1
+
+
+def apply(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    """Sets the logits of disallowed tokens to -inf, in place ([rows, vocab], and masks
+    [rows, words] from `Constraint.masks`)."""
+    rows, vocab = logits.shape
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = (masks.to(logits.device, non_blocking=True)[:, :, None] >> bits) & 1
+    allowed = allowed.view(rows, -1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))
