@@ -338,3 +338,56 @@ def test_sampling_with_suffix_trees_matches_the_target_distribution():
     stat = chi_square(counts.flatten(), (p[:, None] * p[None, :]).flatten())
     p_value = float(torch.special.gammaincc(torch.tensor(35 / 2), torch.tensor(stat / 2)))
     assert p_value > 1e-4
+
+
+ALLOWED = [0, 2, 3, 5]  # what a grammar allows at every row
+
+
+def masked_first_tokens(sampler, params: SamplingParams) -> torch.Tensor:
+    """first_tokens, with every row masked to ALLOWED (as constraint.masks gives it): trees of
+    three siblings drawn from Q, which puts mass on tokens the grammar rules out."""
+    bits = torch.tensor(sum(1 << t for t in ALLOWED), dtype=torch.int32)
+    gen, draws = torch.Generator().manual_seed(77), device_generator(77)
+    counts = torch.zeros(V)
+    for _ in range(TRIALS // BATCH):
+        trees = [sampled_tree(gen, 3, with_dist=True) for _ in range(BATCH)]
+        batch = [
+            Candidates(t, ROWS.repeat(len(t) + 1, 1), params, draws, bits.repeat(len(t) + 1, 1))
+            for t in trees
+        ]
+        for verdict in sampler(batch):
+            counts[verdict.tokens[0]] += 1
+    return counts
+
+
+def constrained_probs(params: SamplingParams) -> torch.Tensor:
+    masked = torch.full_like(P_LOGITS, float("-inf"))
+    masked[ALLOWED] = P_LOGITS[ALLOWED]
+    return target_probs(masked, params)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3)],
+    ids=["t1", "t0.7-topk3"],
+)
+def test_sampling_under_a_grammar_follows_the_constrained_target(params):
+    counts = masked_first_tokens(select, params)
+    assert chi_square(counts, constrained_probs(params)) < CHI2_CRITICAL
+
+
+def test_the_check_catches_a_grammar_applied_after_the_draw():
+    """A wrong sampler: it selects without the mask and moves a ruled-out token to the most
+    likely allowed one (a common shortcut), which piles mass there."""
+    params = SamplingParams(temperature=1.0)
+    best = max(ALLOWED, key=lambda t: float(P_LOGITS[t]))
+
+    def after_the_draw(batch: list[Candidates]) -> list[Verdict]:
+        unmasked = [Candidates(c.tree, c.logits, c.params, c.generator) for c in batch]
+        verdicts = select(unmasked)
+        for v in verdicts:
+            v.tokens[0] = v.tokens[0] if v.tokens[0] in ALLOWED else best
+        return verdicts
+
+    counts = masked_first_tokens(after_the_draw, params)
+    assert chi_square(counts, constrained_probs(params)) > 10 * CHI2_CRITICAL
