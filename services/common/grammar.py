@@ -30,10 +30,11 @@ MAX_GRAMMAR_BYTES = 64 * 1024  # a request's schema, regex or grammar text
 CACHED_GRAMMARS = 256
 MAX_NESTING, MAX_PROPERTIES, MAX_ENUM_VALUES = 10, 5000, 1000  # as OpenAI bounds a schema
 DATA_KEYWORDS = {"enum", "const", "default", "examples"}  # (values, not schemas)
-# JSON outputs are compact (no whitespace between tokens of JSON): a model cannot fill its
-# budget with blank lines, and `{"a":1}` parses as well as `{"a": 1}`. A schema may say
-# otherwise in its own "x-guidance" options (e.g. {"whitespace_flexible": true}).
-JSON_DEFAULTS = {"whitespace_flexible": False}
+# JSON outputs are written as Python's json.dumps writes them (", " and ": " between items, no
+# other whitespace): how models see JSON most (chat templates render tool calls so), and a
+# model cannot fill its budget with blank lines. A schema may say otherwise in its own
+# "x-guidance" options (e.g. {"whitespace_flexible": true}).
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):

@@ -459,6 +459,11 @@ class VerifierSettings(ServiceSettings):
     draft_timeout_seconds: float = Field(
         default=5.0, gt=0, description="A step's drafts arriving later than this are not used."
     )
+    forced_drafts: bool = Field(
+        default=True,
+        description="Where a request's grammar forces the next tokens, draft them (free, "
+        "accepted whole) instead of the drafter's tree.",
+    )
     fallback_mode: Literal["plain", "ngram"] = Field(
         default="plain", description="How a step is drafted when the drafter is unavailable."
     )

@@ -67,6 +67,7 @@ class Engine:
         max_unread_tokens: int = 0,
         pause_timeout_seconds: float = 30.0,
         async_writes: bool = False,
+        forced_drafts: bool = True,
     ):
         self.runner = runner
         self.speculator = speculator
@@ -82,6 +83,7 @@ class Engine:
         self.served = served or {"pool": "", "model_version": ""}
         self.max_unread_tokens = max_unread_tokens  # 0: never pause
         self.pause_timeout_seconds = pause_timeout_seconds
+        self.forced_drafts = forced_drafts  # a grammar's forced tokens are drafts
         self.running: dict[str, Sequence] = {}  # owned by the loop thread
         self._inbox: queue.Queue[Sequence] = queue.Queue()
         self._cancel: dict[str, int] = {}  # request id -> step count when cancelled
@@ -298,7 +300,9 @@ class Engine:
             if seq.constraint is not None and seq.speculate and not part.prefilling:
                 left = min(seq.max_tokens, self.max_seq_len - len(seq.prompt_ids))
                 try:
-                    forced = seq.constraint.forced(left - len(seq.output_ids) - 1)
+                    forced = None
+                    if self.forced_drafts:
+                        forced = seq.constraint.forced(left - len(seq.output_ids) - 1)
                     tree = forced if forced is not None else seq.constraint.prune(tree)
                 except GrammarViolation:
                     pass  # (its masks say so, and end it)

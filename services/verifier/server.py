@@ -413,6 +413,7 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
         max_unread_tokens=settings.max_unread_tokens,
         pause_timeout_seconds=settings.pause_timeout_seconds,
         async_writes=settings.async_step_writes,
+        forced_drafts=settings.forced_drafts,
     )
     engine.on_lost = server.fail  # (a lost rank: the verifier exits, to restart as a group)
     grammars = Grammars(tokenizer, model.config.vocab_size * settings.tensor_parallel)
