@@ -24,7 +24,16 @@ from ..v1 import generation_pb2
 from . import metrics
 from .audit import Call
 from .keys import ANONYMOUS, QuotaExceeded
-from .openai_api import CHAT, COMPLETIONS, HTTP_STATUS, ApiError, Completion, parse, to_generate
+from .openai_api import (
+    CHAT,
+    COMPLETIONS,
+    HTTP_STATUS,
+    ApiError,
+    Completion,
+    calls_tools,
+    parse,
+    to_generate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +283,9 @@ class OpenAIHttp:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         asked = to_generate(body)
         token_text = self.service.token_text if asked.logprobs else None
-        completion = Completion(kind, body.model, include_usage, token_text)
+        completion = Completion(
+            kind, body.model, include_usage, token_text, tools=calls_tools(asked)
+        )
         chunks = self.service.Generate(asked, context, who)
         left = True  # whether the client left before the end (until the call ends)
         try:

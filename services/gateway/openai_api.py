@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..common.logprobs import MAX_TOP_LOGPROBS
 from ..v1 import common_pb2, generation_pb2
+from .tools import ToolCallStream, parse_tool_calls
 
 COMPLETIONS, CHAT = "text_completion", "chat.completion"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -155,9 +157,43 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class Function(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # (a call of it is checked against its schema when forced)
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatBody(_Body):
@@ -166,8 +202,8 @@ class ChatBody(_Body):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -221,13 +257,11 @@ def _refuse_unsupported(body: CompletionBody | ChatBody) -> None:
             if len(body.prompt) != 1:
                 refuse("prompt", "one prompt per request (a list of prompts is not supported)")
         return
-    if body.tools or body.tool_choice not in (None, "none"):
-        refuse("tools", "tool calling is not supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     for i, m in enumerate(body.messages):
-        if m.role in ("tool", "function"):
-            refuse(f"messages.{i}.role", f"{m.role} messages are not supported")
+        if m.role == "function":
+            refuse(f"messages.{i}.role", "function messages are not supported (use tool)")
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             if part.type != "text" or part.text is None:
                 refuse(f"messages.{i}.content.{j}", "only text content parts are supported")
@@ -272,8 +306,27 @@ def to_generate(body: CompletionBody | ChatBody) -> generation_pb2.GenerateReque
         role = "system" if m.role == "developer" else m.role  # (developer is OpenAI's new system)
         parts = m.content if isinstance(m.content, list) else [m.content or ""]
         text = "\n".join(p if isinstance(p, str) else p.text or "" for p in parts)
-        req.messages.messages.add(role=role, content=text)
+        message = req.messages.messages.add(
+            role=role, content=text, tool_call_id=m.tool_call_id or ""
+        )
+        for call in m.tool_calls or []:
+            message.tool_calls.add(
+                id=call.id, name=call.function.name, arguments=call.function.arguments
+            )
+    for tool in body.tools or []:
+        f = tool.function
+        parameters = "" if f.parameters is None else json.dumps(f.parameters)
+        req.tools.add(name=f.name, description=f.description or "", parameters=parameters)
+    if isinstance(body.tool_choice, str):
+        req.tool_choice.mode = body.tool_choice
+    elif body.tool_choice is not None:
+        req.tool_choice.function = body.tool_choice.function.name
     return req
+
+
+def calls_tools(req: generation_pb2.GenerateRequest) -> bool:
+    """Whether the model may answer a request with tool calls (parsed out of its text)."""
+    return bool(req.tools) and req.tool_choice.mode != "none"
 
 
 def _grammar(response_format: dict[str, Any] | None) -> common_pb2.Grammar | None:
@@ -318,6 +371,9 @@ class Completion:
     final: generation_pb2.FinalInfo | None = None
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # not yet sent
     offset: int = 0  # characters of the tokens sent before `logprobs` (completions' text_offset)
+    tools: bool = False  # the model may call tools: its calls are parsed out of its text
+    tool_stream: ToolCallStream = field(default_factory=ToolCallStream)
+    calls: int = 0  # tool calls sent
 
     def _name(self, chunk: generation_pb2.GenerateResponse) -> None:
         if not self.id:
@@ -334,15 +390,41 @@ class Completion:
         kind = self.kind + (".chunk" if chunk and self.kind == CHAT else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
+    def _choice(
+        self, text: str, finish: str | None, delta: bool, calls: list[dict] | None = None
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self.kind == COMPLETIONS:
             choice["text"] = text
         elif delta:
-            choice["delta"] = {"content": text} if text or finish is None else {}
+            choice["delta"] = {"content": text} if text or (finish is None and not calls) else {}
+            if calls:
+                choice["delta"]["tool_calls"] = calls
         else:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {
+                "role": "assistant",
+                "content": text if text or not calls else None,
+            }
+            if calls:
+                choice["message"]["tool_calls"] = [
+                    {k: v for k, v in call.items() if k != "index"} for call in calls
+                ]
         return choice | {"logprobs": self._logprobs(), "finish_reason": finish}
+
+    def _tool_calls(self, calls: list[tuple[str, str]]) -> list[dict]:
+        """Parsed calls in OpenAI's shape (`index` in a stream's deltas), numbered on."""
+        out = []
+        for name, arguments in calls:
+            out.append(
+                {
+                    "index": self.calls,
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+            )
+            self.calls += 1
+        return out
 
     def _logprobs(self) -> dict[str, Any] | None:
         """OpenAI's `logprobs` of the tokens not yet sent (None unless the request asked)."""
@@ -376,7 +458,11 @@ class Completion:
     def response(self) -> dict[str, Any]:
         """The whole answer (stream: false)."""
         body = self._head(chunk=False)
-        body["choices"] = [self._choice("".join(self.text), self._finish(), delta=False)]
+        text, calls = "".join(self.text), []
+        if self.tools:
+            text, parsed = parse_tool_calls(text)
+            text, calls = text.strip(), self._tool_calls(parsed)
+        body["choices"] = [self._choice(text, self._finish(), delta=False, calls=calls)]
         return body | self._extensions(usage=True)
 
     def first_chunk(self, chunk: generation_pb2.GenerateResponse) -> dict[str, Any] | None:
@@ -393,11 +479,19 @@ class Completion:
     def chunks(self, chunk: generation_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """What one of the gateway's chunks becomes in an SSE stream."""
         self.add(chunk)
+        text, calls = chunk.text, []
+        if self.tools:  # (the call markup held back until a call is whole)
+            text, parsed = self.tool_stream.push(text)
+            if self.final is not None:
+                text += self.tool_stream.flush()[0]
+            calls = self._tool_calls(parsed)
+            if self.calls and not text.strip():
+                text = ""  # (the lines between calls)
         finish = self._finish() if self.final is not None else None
-        if not chunk.text and finish is None:  # (its tokens' logprobs go with the next text)
+        if not text and not calls and finish is None:  # (its logprobs go with the next text)
             return []
         body = self._head(chunk=True)
-        body["choices"] = [self._choice(chunk.text, finish, delta=True)]
+        body["choices"] = [self._choice(text, finish, delta=True, calls=calls)]
         if finish is None:
             return [body | ({"usage": None} if self.include_usage else {})]
         out = [
@@ -408,7 +502,8 @@ class Completion:
         return out
 
     def _finish(self) -> str:
-        return FINISH.get(self.final.finish_reason, "stop") if self.final else "stop"
+        reason = FINISH.get(self.final.finish_reason, "stop") if self.final else "stop"
+        return "tool_calls" if self.calls and reason == "stop" else reason
 
     def _extensions(self, usage: bool) -> dict[str, Any]:
         if self.final is None:

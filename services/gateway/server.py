@@ -25,7 +25,7 @@ from ..common.rollout import by_pool, choose_pool, pool_shares, versions
 from ..common.settings import GatewaySettings
 from ..common.store import RequestStore
 from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from . import metrics
+from . import metrics, tools
 from .audit import Audit, Call
 from .http_server import OpenAIHttp
 from .keys import (
@@ -529,15 +529,24 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
         elif which == "prompt":
             ids = self.tokenizer(req.prompt).input_ids
         else:
-            messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+            if req.tools and not tools.supported(self.tokenizer.chat_template):
+                raise InvalidRequest(
+                    "tools", "this model's chat template has no tool calls in a known format"
+                )
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                tools.chat_messages(req.messages.messages),
+                tools=tools.template_tools(req.tools, self._tool_parameters(req.tools)),
+                add_generation_prompt=True,
+                tokenize=False,
             )
             ids = self.tokenizer(text).input_ids
         if not ids:
             raise InvalidRequest(which, "tokenizes to no tokens")
         check_prompt_length(len(ids), self.limits)
-        self._check_grammar(req.grammar)
+        constraint, field = req.grammar, "grammar"
+        if (required := self._tool_grammar(req)) is not None:
+            constraint, field = required, "tool_choice"
+        self._check_grammar(constraint, field)
         default = self.limits.default_max_tokens
         if who.limits is not None:
             default = min(default, who.limits.max_tokens)
@@ -560,18 +569,38 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             prefix_scope=prefix.scope_of(self.settings.prefix_cache_scope, who.tenant),
             logprobs=req.logprobs,
             top_logprobs=req.top_logprobs,
-            grammar=req.grammar,
+            grammar=constraint,
         )
 
-    def _check_grammar(self, field: common_pb2.Grammar) -> None:
-        """Compiles a request's grammar (kept: its verifier compiles the same text), so one
-        that cannot be used is refused here, naming why."""
+    def _tool_parameters(self, declared) -> dict[str, dict]:
+        """Each tool's parameters schema, by name; a schema that cannot be used is refused,
+        naming its tool (compiled here whatever the tool choice: a model may call any)."""
+        parameters = tools.tool_parameters(declared)
+        for i, schema in enumerate(parameters.values()):
+            text = json.dumps(schema or {"type": "object"})
+            self._check_grammar(common_pb2.Grammar(json_schema=text), f"tools[{i}].parameters")
+        return parameters
+
+    def _tool_grammar(self, req) -> common_pb2.Grammar | None:
+        """The grammar a required call or a named function imposes; None for auto and none."""
+        choice = req.tool_choice
+        only = choice.function if choice.WhichOneof("choice") == "function" else None
+        if only is None and choice.mode != "required":
+            return None
+        markup = self.tokenizer.convert_tokens_to_ids(tools.OPEN)
+        special = isinstance(markup, int) and self.grammars.tokenizer.is_special_token(markup)
+        lark = tools.tool_grammar(tools.tool_parameters(req.tools), only, special)
+        return common_pb2.Grammar(lark=lark)
+
+    def _check_grammar(self, constraint: common_pb2.Grammar, field: str = "grammar") -> None:
+        """Compiles a grammar (kept: its verifier compiles the same text), so one that cannot
+        be used is refused here, naming the request's `field` and why."""
         try:
-            text = grammar.source(field)
+            text = grammar.source(constraint)
             if text is not None:
                 self.grammars.matcher(text)
         except grammar.GrammarError as e:
-            raise InvalidRequest("grammar", str(e)) from None
+            raise InvalidRequest(field, str(e)) from None
 
     async def _stream(self, call: Call, stop: list[str], context, start: int = 0):
         """Chunks of the output stream from token index `start` on; the tokens before it only

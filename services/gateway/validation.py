@@ -13,6 +13,7 @@ from ..common.logprobs import MAX_TOP_LOGPROBS
 from ..v1 import common_pb2, generation_pb2
 
 ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # request and session ids, matched whole
+TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as OpenAI names functions
 
 
 class InvalidRequest(ValueError):
@@ -53,10 +54,12 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits) -> None:
         if not req.messages.messages:
             raise InvalidRequest("messages", "must hold at least one message")
         for i, m in enumerate(req.messages.messages):
-            if m.role not in ("system", "user", "assistant"):
+            if m.role not in ("system", "user", "assistant", "tool"):
                 raise InvalidRequest(
-                    f"messages[{i}].role", f"must be system, user or assistant, got {m.role[:20]!r}"
+                    f"messages[{i}].role",
+                    f"must be system, user, assistant or tool, got {m.role[:20]!r}",
                 )
+    _validate_tools(req, which)
     if req.max_tokens < 0 or req.max_tokens > limits.max_tokens_limit:
         raise InvalidRequest(
             "max_tokens",
@@ -92,6 +95,31 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits) -> None:
         check_id("request_id", req.request_id)
     if req.session_id:
         check_id("session_id", req.session_id)
+
+
+def _validate_tools(req: generation_pb2.GenerateRequest, which: str) -> None:
+    if req.tools and which != "messages":
+        raise InvalidRequest("tools", "only with messages (the chat template renders them)")
+    names = [t.name for t in req.tools]
+    for i, name in enumerate(names):
+        if not TOOL_NAME_RE.fullmatch(name):
+            raise InvalidRequest(f"tools[{i}].name", "1 to 64 of a-z A-Z 0-9 _ -")
+        if name in names[:i]:
+            raise InvalidRequest(f"tools[{i}].name", f"{name!r} is named twice")
+    choice = req.tool_choice.WhichOneof("choice")
+    if choice == "mode" and req.tool_choice.mode not in ("auto", "none", "required"):
+        raise InvalidRequest(
+            "tool_choice", f"auto, none, required or a function, got {req.tool_choice.mode[:20]!r}"
+        )
+    if choice == "function" and req.tool_choice.function not in names:
+        raise InvalidRequest(
+            "tool_choice", f"names no tool of the request: {req.tool_choice.function[:64]!r}"
+        )
+    if choice and not req.tools:
+        raise InvalidRequest("tool_choice", "needs tools")
+    forced = choice == "function" or req.tool_choice.mode == "required"
+    if forced and req.HasField("grammar"):
+        raise InvalidRequest("tool_choice", "a required call is a grammar: not with grammar too")
 
 
 def check_id(field: str, value: str) -> None:

@@ -303,7 +303,9 @@ class Engine:
                     forced = None
                     if self.forced_drafts:
                         forced = seq.constraint.forced(left - len(seq.output_ids) - 1)
-                    tree = forced if forced is not None else seq.constraint.prune(tree)
+                    shaped = forced if forced is not None else seq.constraint.prune(tree)
+                    seq.drafted += len(shaped) - len(tree)  # (what the target verifies)
+                    tree = shaped
                 except GrammarViolation:
                     pass  # (its masks say so, and end it)
             guided.append(tree)
