@@ -19,10 +19,14 @@ from openai import BadRequestError, OpenAI
 from conftest import cluster_config
 from helpers import generate, request
 from specserve.common import grammar
+from specserve.common.grammar import apply_masks as apply
+from specserve.common.proposers.base import DraftJob, TreeShape
 from specserve.common.tree import DraftTree
+from specserve.drafter.draft_model import DraftModelProposer
+from specserve.engine.flat_model import FlatModel
 from specserve.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc
-from specserve.verifier.constraint import Constraint, apply
+from specserve.verifier.constraint import Constraint
 
 OFF = common_pb2.SpeculationOptions(mode=common_pb2.SPECULATION_MODE_OFF)
 PERSON = {
@@ -75,6 +79,71 @@ def test_masks_follow_each_path_of_a_tree(tokenizer):
     assert constraint.consumed == 0  # the walk leaves the matcher where it stood
     pruned = constraint.prune(tree)
     assert pruned.token_ids == [a, b, d] and pruned.parents == [-1, 0, 1]
+    # An end of sequence in a tree, where the grammar may end: allowed, and the walk leaves
+    # the matcher where it stood (llguidance does not roll an end of sequence back).
+    eos = tokenizer.eos_token_id
+    constraint.consume(a)
+    masks, legal = constraint.masks(DraftTree([b, d, eos], [-1, 0, 1]))
+    assert legal == [True, True, True] and constraint.consumed == 1
+    for token in (b, d, eos):
+        constraint.consume(token)
+    assert constraint.complete
+
+
+def allowed_after(grammars, text: str, path: list[int]) -> torch.Tensor:
+    """[vocab] bool: what the grammar allows after `path`."""
+    follower = grammar.Follower(grammars.matcher(text), grammars.tokenizer.eos_tokens)
+    assert follower.follow(path)
+    masks = llguidance.torch.allocate_token_bitmask(1, grammars.vocab_size)
+    follower.fill([], masks, 0)
+    row = torch.zeros(1, grammars.vocab_size)
+    apply(row, masks)
+    return torch.isfinite(row[0])
+
+
+@pytest.mark.parametrize(
+    "temperature,branching", [(0.0, 2), (0.0, 1), (1.0, 2)], ids=["greedy", "chain", "sampled"]
+)
+def test_the_draft_model_drafts_only_what_the_grammar_allows(
+    tokenizer, tiny_draft, temperature, branching
+):
+    """Every node of the draft model's trees, and every token of the draft distributions it
+    drew from, is what the grammar allows after the node's path; the same model without the
+    grammar drafts what it does not (so the check can fail)."""
+    grammars = grammar.Grammars(tokenizer, tiny_draft.config.vocab_size)
+    text = grammar.source(common_pb2.Grammar(json_schema=json.dumps(PERSON)))
+    prompt = tokenizer("import numpy as np\n").input_ids
+    shape = TreeShape(max_depth=6, branching=branching, width=4)
+    guided = DraftModelProposer(FlatModel(tiny_draft), shape, grammars=grammars)
+    free = DraftModelProposer(FlatModel(tiny_draft), shape)
+
+    def legal(tree: DraftTree, output: list[int]) -> bool:
+        dead = set()  # (a sampled tree's fixed shape: nodes q gave nothing, never accepted)
+        for node, (token, parent) in enumerate(zip(tree.token_ids, tree.parents, strict=True)):
+            ids, probs = tree.dists.get(parent, ([token], [1.0]))
+            if parent in dead or probs[ids.index(token)] == 0:
+                dead.add(node)
+            elif not allowed_after(grammars, text, output + tree.path(node)[:-1])[token]:
+                return False
+        for node, (ids, probs) in tree.dists.items():  # (sampled: q's support)
+            if node in dead:
+                continue
+            ok = allowed_after(grammars, text, output + (tree.path(node) if node >= 0 else []))
+            if any(p > 0 and not ok[t] for t, p in zip(ids, probs, strict=True)):
+                return False
+        return True
+
+    output: list[int] = []
+    illegal = 0
+    for step in range(4):  # the output grows by a token the grammar allows
+        job = DraftJob(
+            "s", prompt + output, 12, temperature, seed=step, grammar=text, prompt_len=len(prompt)
+        )
+        tree = guided.propose([job])[0]
+        assert len(tree) and legal(tree, output)
+        illegal += not legal(free.propose([job])[0], output)
+        output.append(int(allowed_after(grammars, text, output).nonzero()[0]))
+    assert illegal
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,9 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
+import llguidance.torch
 import numpy as np
+import torch
 
 from ..v1 import common_pb2
 
@@ -150,3 +152,56 @@ class Grammars:
             raise GrammarError(
                 f"it needs more work per token than allowed: {trial.get_error()[:300]}"
             )
+
+
+def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    """Sets the logits of disallowed tokens to -inf, in place ([rows, vocab] logits, [rows,
+    words] int32 bitmasks as llguidance fills them)."""
+    rows, vocab = logits.shape
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = (masks.to(logits.device, non_blocking=True)[:, :, None] >> bits) & 1
+    allowed = allowed.view(rows, -1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+class Follower:
+    """A matcher kept at a history that may move back as well as on (a drafter's view of a
+    sequence's output: accepted tokens, and run-ahead ones that may be taken back)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_ids: list[int]):
+        self.matcher = matcher
+        self.eos_ids = set(eos_ids)  # (never given to the matcher: see `fill`)
+        self.tokens: list[int] = []
+
+    def follow(self, tokens: list[int]) -> bool:
+        """Moves to `tokens`; False if the grammar does not allow them (the matcher is then
+        of no more use)."""
+        keep = 0
+        for a, b in zip(self.tokens, tokens, strict=False):
+            if a != b:
+                break
+            keep += 1
+        if keep < len(self.tokens):
+            self.matcher.rollback(len(self.tokens) - keep)
+            del self.tokens[keep:]
+        for token in tokens[keep:]:
+            if not self.matcher.consume_token(token):
+                return False
+            self.tokens.append(token)
+        return True
+
+    def fill(self, path: list[int], masks: torch.Tensor, row: int) -> None:
+        """Row `row` of `masks`: what may follow the history and then `path`. A path the
+        grammar does not allow, or that ends the sequence (llguidance does not count an end
+        of sequence among the tokens it rolls back), leaves the row as it was."""
+        taken = 0
+        for token in path:
+            if token in self.eos_ids or self.matcher.validate_tokens([token]) != 1:
+                break
+            if not self.matcher.consume_token(token):
+                break
+            taken += 1
+        if taken == len(path):
+            llguidance.torch.fill_next_token_bitmask(self.matcher, masks, row)
+        if taken:
+            self.matcher.rollback(taken)

@@ -13,10 +13,12 @@ import heapq
 import math
 from dataclasses import dataclass
 
+import llguidance.torch
 import numpy as np
 import torch
 
 from ..common import models
+from ..common.grammar import Follower, GrammarError, Grammars, apply_masks
 from ..common.proposers.base import DraftJob, Proposer, TreeShape, shape_of
 from ..common.settings import ConfigError, DrafterSettings, ModelRef
 from ..common.tree import DraftTree
@@ -63,11 +65,21 @@ def with_dtype(settings: DrafterSettings) -> DrafterSettings:
 class DraftModelProposer(Proposer):
     name = "draft_model"
 
-    def __init__(self, model: FlatModel, shape: TreeShape, sample_support: int = 32):
+    def __init__(
+        self,
+        model: FlatModel,
+        shape: TreeShape,
+        sample_support: int = 32,
+        grammars: Grammars | None = None,
+    ):
         self.model = model
         self.shape = shape
         self.sample_support = sample_support  # q keeps this many most likely tokens
         self.states: dict[str, _DraftState] = {}
+        # Requests with a grammar: a matcher each at its output, so that the draft model
+        # drafts only what the grammar allows (the verifier masks the target the same way).
+        self.grammars = grammars
+        self.followers: dict[str, Follower] = {}
 
     @classmethod
     def from_settings(cls, settings: DrafterSettings) -> DraftModelProposer:
@@ -81,10 +93,29 @@ class DraftModelProposer(Proposer):
             )
         except CompileFailed as e:
             raise ConfigError(str(e)) from e
-        return cls(model, shape_of(settings), settings.sample_support)
+        grammars = Grammars(models.load_tokenizer(path), model.hf.config.vocab_size)
+        return cls(model, shape_of(settings), settings.sample_support, grammars)
 
     def forget(self, seq_id: str) -> None:
         self.states.pop(seq_id, None)
+        self.followers.pop(seq_id, None)
+
+    def _follow(self, job: DraftJob) -> Follower | None:
+        """The job's matcher at its output, if it has a grammar the drafter can follow."""
+        if not job.grammar or self.grammars is None:
+            return None
+        follower = self.followers.get(job.seq_id)
+        try:
+            if follower is None:
+                matcher = self.grammars.matcher(job.grammar)
+                follower = Follower(matcher, self.grammars.tokenizer.eos_tokens)
+        except GrammarError:  # (the verifier masks the target anyway)
+            return None
+        if not follower.follow(job.tokens[job.prompt_len :]):
+            self.followers.pop(job.seq_id, None)
+            return None
+        self.followers[job.seq_id] = follower
+        return follower
 
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         asked = jobs
@@ -93,30 +124,36 @@ class DraftModelProposer(Proposer):
             return [DraftTree() for _ in asked]
         root_logits = self.model.forward([self._sync(job) for job in jobs])
         rows = [logits[-1:] for logits in root_logits]  # [1, vocab] each
-        if self.shape.branching == 1:
+        followers = {job.seq_id: f for job in jobs if (f := self._follow(job)) is not None}
+        if self.shape.branching == 1 and not followers:
             trees = self._chains(jobs, rows)
-        else:
-            trees = self._trees(jobs, rows)
+        else:  # (a grammar is followed level by level, on the host)
+            trees = self._trees(jobs, rows, followers)
         for job in jobs:  # drop the tree's KV entries: rollback is a length
             state = self.states[job.seq_id]
             state.kv.truncate(len(state.tokens))
         by_id = {job.seq_id: tree for job, tree in zip(jobs, trees, strict=True)}
         return [by_id.get(j.seq_id, DraftTree()) for j in asked]
 
-    def _trees(self, jobs: list[DraftJob], rows: list[torch.Tensor]) -> list[DraftTree]:
-        """Grows each job's tree level by level from its root row; one read a level."""
+    def _trees(
+        self, jobs: list[DraftJob], rows: list[torch.Tensor], followers: dict[str, Follower]
+    ) -> list[DraftTree]:
+        """Grows each job's tree level by level from its root row; one read a level. A job
+        with a grammar has its rows masked to what the grammar allows after each node's path
+        (so q, when it samples, is the masked draft distribution it draws from)."""
         growths = []
         for job in jobs:
             gen = None
             if job.temperature > 0:
                 gen = torch.Generator().manual_seed(job.seed)
             growths.append(_Growth(job, DraftTree(), [], {}, [-1], gen))
-        self._grow(growths, rows)
+        self._grow(growths, rows, followers)
         for _ in range(1, self.shape.max_depth):
             active = [g for g in growths if g.frontier and len(g.tree) < g.job.budget]
             if not active:
                 break
-            self._grow(active, self.model.forward([self._frontier_segment(g) for g in active]))
+            logits = self.model.forward([self._frontier_segment(g) for g in active])
+            self._grow(active, logits, followers)
         return [g.tree for g in growths]
 
     def _chains(self, jobs: list[DraftJob], rows: list[torch.Tensor]) -> list[DraftTree]:
@@ -199,13 +236,36 @@ class DraftModelProposer(Proposer):
         top = torch.topk(rows.float() / temps[:, None], self.sample_support)
         return top.indices, torch.softmax(top.values, dim=-1)
 
-    def _grow(self, growths: list[_Growth], logits: list[torch.Tensor]) -> None:
+    def _grow(
+        self,
+        growths: list[_Growth],
+        logits: list[torch.Tensor],
+        followers: dict[str, Follower] | None = None,
+    ) -> None:
         """One level: each growth's frontier rows of logits ([frontier, vocab] each) become
         its children, from one read of every row's choices."""
         rows = logits[0] if len(logits) == 1 else torch.cat(logits)
+        if followers and any(g.job.seq_id in followers for g in growths):
+            self._mask(rows, growths, followers)
         choices = iter(self._choices(rows, growths))
         for g in growths:
             self._expand(g, {node: next(choices) for node in g.frontier})
+
+    def _mask(
+        self, rows: torch.Tensor, growths: list[_Growth], followers: dict[str, Follower]
+    ) -> None:
+        """Masks, in place, each frontier row of a job with a grammar to what it allows
+        after that node's path."""
+        masks = llguidance.torch.allocate_token_bitmask(rows.shape[0], rows.shape[1])
+        row = 0
+        for g in growths:
+            follower = followers.get(g.job.seq_id)
+            for node in g.frontier:
+                if follower is not None:
+                    follower.fill(g.tree.path(node) if node >= 0 else [], masks, row)
+                row += 1
+        with torch.inference_mode():
+            apply_masks(rows, masks)
 
     def _choices(self, rows: torch.Tensor, growths: list[_Growth]) -> list[_Choice]:
         """Each frontier row's candidate children, read from the device in one copy: a greedy
@@ -291,8 +351,8 @@ class DraftModelProposer(Proposer):
             if choice.order is not None:
                 g.tree.dists[node] = (choice.ids, choice.probs)
                 picks = [(choice.ids[i], choice.probs[i]) for i in choice.order]
-            else:
-                picks = list(zip(choice.ids, choice.probs, strict=True))
+            else:  # (a token of probability 0, which a grammar's mask makes, is no draft)
+                picks = [(t, p) for t, p in zip(choice.ids, choice.probs, strict=True) if p > 0]
             groups.append([(base + math.log(max(p, 1e-30)), t, node) for t, p in picks])
         if job.temperature > 0:
             # Whole groups in frontier order: a node's children must be a prefix of its draws

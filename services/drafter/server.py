@@ -27,6 +27,7 @@ class _Held:
     tokens: list[int] = field(default_factory=list)  # the accepted history
     tenant: str = ""
     prompt_len: int = 0
+    grammar: str = ""
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
@@ -76,7 +77,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
                 continue
             seq = held.get(sid)
             if delta.accepted_len == 0:  # a sequence's first message says whose it is
-                seq = held[sid] = _Held(tenant=delta.tenant, prompt_len=delta.prompt_len)
+                seq = held[sid] = _Held(
+                    tenant=delta.tenant, prompt_len=delta.prompt_len, grammar=delta.grammar
+                )
             if seq is None or delta.accepted_len > len(seq.tokens):  # state lost (restart)
                 held.pop(sid, None)
                 with self._lock:
@@ -96,6 +99,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
                     # unset (a verifier that predates it): model-free trees get `budget`
                     deep_budget=delta.deep_budget if delta.HasField("deep_budget") else None,
                     tenant=seq.tenant,
+                    grammar=seq.grammar,
+                    prompt_len=seq.prompt_len,
                 )
                 tree = ahead.take(job, delta.accepted_len) if ahead is not None else None
                 if tree is not None:

@@ -40,9 +40,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..common.grammar import apply_masks
 from ..common.tree import DraftTree
 from ..engine.batch import Packer
-from . import constraint, rejection
+from . import rejection
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def select(batch: list[Candidates]) -> list[Verdict | NonFinite]:
     with torch.inference_mode():  # (the logits are the forward's: changed in place)
         for c in batch:
             if c.mask is not None:  # (after the finite check: -inf is the mask's)
-                constraint.apply(c.logits, c.mask)
+                apply_masks(c.logits, c.mask)
     chosen, best = _greedy_choices(ordered[:greedy], layout)
     sampled = None
     if greedy < len(ordered):

@@ -43,6 +43,16 @@ class Constraint:
         self.consumed = 0
 
     def consume(self, token: int) -> None:
+        """Takes an output token. An end of sequence is not given to the matcher (it ends the
+        output: the grammar need only allow it, and llguidance does not count it as a token
+        to roll back)."""
+        if token in self.eos_ids:
+            if not self.matcher.is_accepting():
+                raise GrammarViolation(
+                    f"grammar: stopped at output token {self.consumed}: the output ended "
+                    "before its grammar allows"
+                )
+            return
         if not self.matcher.consume_token(token):
             raise GrammarViolation(
                 f"grammar: stopped at output token {self.consumed}: "
@@ -93,12 +103,13 @@ class Constraint:
                 token = tree.token_ids[child]
                 if not _allows(row, token):
                     continue
-                self.consume(token)
                 legal[child] = True
-                if token not in self.eos_ids:  # (nothing follows an end of sequence)
-                    llguidance.torch.fill_next_token_bitmask(self.matcher, masks, child + 1)
-                    self._check()
-                    down(child)
+                if token in self.eos_ids:
+                    continue  # (nothing follows an end of sequence; its row is never read)
+                self.consume(token)
+                llguidance.torch.fill_next_token_bitmask(self.matcher, masks, child + 1)
+                self._check()
+                down(child)
                 self.rollback_to(self.consumed - 1)
 
         down(-1)
@@ -122,14 +133,4 @@ class Constraint:
 
 
 def _allows(row: torch.Tensor, token: int) -> bool:
-    return token >> 5 < row.shape[0] and (int(row[token >> 5]) >> (token & 31)) & 1 == 1
-
-
-def apply(logits: torch.Tensor, masks: torch.Tensor) -> None:
-    """Sets the logits of disallowed tokens to -inf, in place ([rows, vocab], and masks
-    [rows, words] from `Constraint.masks`)."""
-    rows, vocab = logits.shape
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = (masks.to(logits.device, non_blocking=True)[:, :, None] >> bits) & 1
-    allowed = allowed.view(rows, -1)[:, :vocab]
-    logits.masked_fill_(allowed == 0, float("-inf"))
+    return token >> 5 < row.shape[0] and ((int(row[token >> 5]) >> (token & 31)) & 1) == 1

@@ -84,6 +84,7 @@ class DrafterSync:
             )
             if held == 0:
                 delta.tenant, delta.prompt_len = seq.tenant, len(seq.prompt_ids)
+                delta.grammar = seq.grammar
             if seq.generator is not None:
                 gen = seq.generator
                 delta.draw_seed = int(torch.randint(2**62, (), generator=gen, device=gen.device))

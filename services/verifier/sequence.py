@@ -46,6 +46,7 @@ class Sequence:
     top_logprobs: int = 0  # ... with this many most likely tokens each
     output_logprobs: list[str] = field(default_factory=list)  # with logprobs: per output id
     constraint: Constraint | None = None  # its grammar, at its output so far
+    grammar: str = ""  # that grammar's text (llguidance's), for the drafters
     num_emitted: int = 0
     kv: SequenceKV | None = None  # the target's KV entries of all_ids[:kv.length]
     generator: torch.Generator | None = None

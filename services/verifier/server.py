@@ -85,6 +85,7 @@ def constrain(seq: Sequence, spec: dict, grammars: Grammars, eos_ids: set[int]) 
     try:
         text = grammar.source(json_format.ParseDict(spec["grammar"], common_pb2.Grammar()))
         seq.constraint = Constraint(grammars.matcher(text), grammars.vocab_size, eos_ids)
+        seq.grammar = text
         for token in seq.output_ids:
             seq.constraint.consume(token)
     except (grammar.GrammarError, GrammarViolation) as e:

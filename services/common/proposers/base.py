@@ -25,6 +25,8 @@ class DraftJob:
     deep_budget: int | None = None  # most nodes of a model-free tree; None: `budget`
     tenant: str = ""  # whose earlier outputs may shape the drafts
     assumed: int = 0  # trailing tokens that are assumed, not accepted (run-ahead drafting)
+    grammar: str = ""  # what the output (tokens[prompt_len:]) follows (llguidance's text)
+    prompt_len: int = 0
 
     @property
     def free_budget(self) -> int:
