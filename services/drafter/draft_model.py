@@ -136,7 +136,10 @@ class DraftModelProposer(Proposer):
         return [by_id.get(j.seq_id, DraftTree()) for j in asked]
 
     def _trees(
-        self, jobs: list[DraftJob], rows: list[torch.Tensor], followers: dict[str, Follower]
+        self,
+        jobs: list[DraftJob],
+        rows: list[torch.Tensor],
+        followers: dict[str, Follower] | None = None,
     ) -> list[DraftTree]:
         """Grows each job's tree level by level from its root row; one read a level. A job
         with a grammar has its rows masked to what the grammar allows after each node's path
