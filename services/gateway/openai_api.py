@@ -3,7 +3,7 @@ gateway's stream in, OpenAI's responses and errors out. `http_server` does the I
 
 Bodies are checked strictly (a string where a number belongs is a 400 naming the field);
 fields this module does not know are ignored, as clients send fields at their defaults.
-Fields it knows but cannot honour (n > 1, tools, penalties...) are refused by name.
+Fields it knows but cannot honour (n > 1, penalties, logit_bias...) are refused by name.
 """
 
 from __future__ import annotations

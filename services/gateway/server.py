@@ -533,9 +533,10 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
                 raise InvalidRequest(
                     "tools", "this model's chat template has no tool calls in a known format"
                 )
+            parameters = self._tool_parameters(req)
             text = self.tokenizer.apply_chat_template(
                 tools.chat_messages(req.messages.messages),
-                tools=tools.template_tools(req.tools, self._tool_parameters(req.tools)),
+                tools=tools.template_tools(req.tools, parameters),
                 add_generation_prompt=True,
                 tokenize=False,
             )
@@ -544,7 +545,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequest(which, "tokenizes to no tokens")
         check_prompt_length(len(ids), self.limits)
         constraint, field = req.grammar, "grammar"
-        if (required := self._tool_grammar(req)) is not None:
+        if which == "messages" and (required := self._tool_grammar(req, parameters)):
             constraint, field = required, "tool_choice"
         self._check_grammar(constraint, field)
         default = self.limits.default_max_tokens
@@ -572,16 +573,16 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             grammar=constraint,
         )
 
-    def _tool_parameters(self, declared) -> dict[str, dict]:
+    def _tool_parameters(self, req) -> dict[str, dict]:
         """Each tool's parameters schema, by name; a schema that cannot be used is refused,
         naming its tool (compiled here whatever the tool choice: a model may call any)."""
-        parameters = tools.tool_parameters(declared)
+        parameters = tools.tool_parameters(req.tools)
         for i, schema in enumerate(parameters.values()):
             text = json.dumps(schema or {"type": "object"})
             self._check_grammar(common_pb2.Grammar(json_schema=text), f"tools[{i}].parameters")
         return parameters
 
-    def _tool_grammar(self, req) -> common_pb2.Grammar | None:
+    def _tool_grammar(self, req, parameters: dict[str, dict]) -> common_pb2.Grammar | None:
         """The grammar a required call or a named function imposes; None for auto and none."""
         choice = req.tool_choice
         only = choice.function if choice.WhichOneof("choice") == "function" else None
@@ -589,8 +590,7 @@ class GenerationService(generation_pb2_grpc.GenerationServiceServicer):
             return None
         markup = self.tokenizer.convert_tokens_to_ids(tools.OPEN)
         special = isinstance(markup, int) and self.grammars.tokenizer.is_special_token(markup)
-        lark = tools.tool_grammar(tools.tool_parameters(req.tools), only, special)
-        return common_pb2.Grammar(lark=lark)
+        return common_pb2.Grammar(lark=tools.tool_grammar(parameters, only, special))
 
     def _check_grammar(self, constraint: common_pb2.Grammar, field: str = "grammar") -> None:
         """Compiles a grammar (kept: its verifier compiles the same text), so one that cannot
