@@ -183,6 +183,38 @@ def tiny_cluster(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def drafting_cluster(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
+    """The tiny target with a draft model that agrees with it part of the time, trees of 8
+    every step: drafts are accepted and rejected, so emitted tokens come from every kind of
+    row (structured outputs, log-probabilities)."""
+    config = cluster_config(tiny_model_dir)
+    config["verifier"].update(
+        speculative_decoding=True, verification_tree_size=8, speculation_policy="fixed"
+    )
+    config["drafter"].update(draft_model_path=str(tiny_draft_dir), branching=2, width=4)
+    cluster = LocalCluster(config, tmp_path_factory.mktemp("drafting"))
+    cluster.start(timeout=180)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def drafting_stub(drafting_cluster):
+    channel = grpc.insecure_channel(drafting_cluster.procs["gateway"].address)
+    yield generation_pb2_grpc.GenerationServiceStub(channel)
+    channel.close()
+
+
+@pytest.fixture(scope="session")
+def drafting_api(drafting_cluster):
+    """The openai client on drafting_cluster's HTTP API."""
+    from openai import OpenAI
+
+    port = drafting_cluster.procs["gateway"].http_port
+    return OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="session")
 def gateway(tiny_cluster):
     channel = grpc.insecure_channel(tiny_cluster.procs["gateway"].address)
     yield generation_pb2_grpc.GenerationServiceStub(channel)

@@ -9,14 +9,11 @@ import math
 import grpc
 import pytest
 import torch
-from openai import OpenAI
 
-from conftest import cluster_config
 from helpers import generate, request
 from specserve.common import logprobs as wire
 from specserve.common.tree import DraftTree
-from specserve.local_cluster import LocalCluster
-from specserve.v1 import common_pb2, generation_pb2_grpc
+from specserve.v1 import common_pb2
 from specserve.verifier import logprobs
 from specserve.verifier.acceptance import Verdict
 
@@ -72,40 +69,15 @@ def test_a_steps_rows_score_the_accepted_path_and_the_bonus():
     assert math.isnan(wire.decode(wire.UNKNOWN)[0])
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
-    """The tiny target with a draft model that agrees with it part of the time, trees of 8
-    every step: drafts are accepted and rejected, so tokens come from every kind of row."""
-    config = cluster_config(tiny_model_dir)
-    config["verifier"].update(
-        speculative_decoding=True, verification_tree_size=8, speculation_policy="fixed"
-    )
-    config["drafter"].update(draft_model_path=str(tiny_draft_dir), branching=2, width=4)
-    cluster = LocalCluster(config, tmp_path_factory.mktemp("logprobs"))
-    cluster.start(timeout=180)
-    yield cluster
-    cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(cluster):
-    channel = grpc.insecure_channel(cluster.procs["gateway"].address)
-    yield generation_pb2_grpc.GenerationServiceStub(channel)
-    channel.close()
-
-
-@pytest.fixture(scope="module")
-def api(cluster):
-    port = cluster.procs["gateway"].http_port
-    return OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-
-
 @pytest.mark.cluster
-def test_greedy_logprobs_are_the_targets_with_speculation_on_and_off(stub, tokenizer, tiny_model):
+def test_greedy_logprobs_are_the_targets_with_speculation_on_and_off(
+    drafting_stub, tokenizer, tiny_model
+):
     prompt = tokenizer("import numpy as np\n").input_ids
-    on = generate(stub, request(prompt, max_tokens=24, logprobs=True, top_logprobs=TOP))
+    on = generate(drafting_stub, request(prompt, max_tokens=24, logprobs=True, top_logprobs=TOP))
     off = generate(
-        stub, request(prompt, max_tokens=24, logprobs=True, top_logprobs=TOP, speculation=OFF)
+        drafting_stub,
+        request(prompt, max_tokens=24, logprobs=True, top_logprobs=TOP, speculation=OFF),
     )
     assert on.final.speculation.accepted_tokens > 0  # tree rows were scored
     assert on.final.speculation.drafted_tokens > on.final.speculation.accepted_tokens
@@ -119,16 +91,17 @@ def test_greedy_logprobs_are_the_targets_with_speculation_on_and_off(stub, token
         for e in got:  # greedy: the token is the most likely one
             assert e.logprob == pytest.approx(e.top[0].logprob, abs=1e-6)
             assert sum(math.exp(t.logprob) for t in e.top) <= 1 + 1e-5
-    plain = generate(stub, request(prompt, max_tokens=24))
+    plain = generate(drafting_stub, request(prompt, max_tokens=24))
     assert plain.ids == on.ids and not any(c.logprobs for c in plain.chunks)
 
 
 @pytest.mark.cluster
-def test_sampled_tokens_get_the_targets_logprobs(stub, tokenizer, tiny_model):
+def test_sampled_tokens_get_the_targets_logprobs(drafting_stub, tokenizer, tiny_model):
     prompt = tokenizer("x = 1\n").input_ids
     sampling = common_pb2.SamplingParams(temperature=0.8, seed=7)
     result = generate(
-        stub, request(prompt, max_tokens=20, sampling=sampling, logprobs=True, top_logprobs=2)
+        drafting_stub,
+        request(prompt, max_tokens=20, sampling=sampling, logprobs=True, top_logprobs=2),
     )
     assert result.final.speculation.drafted_tokens > 0
     got = [e for c in result.chunks for e in c.logprobs]
@@ -136,11 +109,11 @@ def test_sampled_tokens_get_the_targets_logprobs(stub, tokenizer, tiny_model):
 
 
 @pytest.mark.cluster
-def test_the_openai_client_gets_logprobs_streamed_and_not(api, stub, tokenizer):
-    model = api.models.list().data[0].id
+def test_the_openai_client_gets_logprobs_streamed_and_not(drafting_api, drafting_stub, tokenizer):
+    model = drafting_api.models.list().data[0].id
     messages = [{"role": "user", "content": "Write a haiku about tests."}]
     kwargs = dict(model=model, messages=messages, max_tokens=12, temperature=0)
-    whole = api.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3)
+    whole = drafting_api.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3)
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens == 12
     for entry in content:
@@ -150,20 +123,22 @@ def test_the_openai_client_gets_logprobs_streamed_and_not(api, stub, tokenizer):
         assert entry.logprob == pytest.approx(values[0], abs=1e-6)  # greedy
         assert entry.bytes == list(entry.token.encode())
     streamed = []
-    for chunk in api.chat.completions.create(**kwargs, logprobs=True, top_logprobs=3, stream=True):
+    for chunk in drafting_api.chat.completions.create(
+        **kwargs, logprobs=True, top_logprobs=3, stream=True
+    ):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += chunk.choices[0].logprobs.content
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
-    assert api.chat.completions.create(**kwargs).choices[0].logprobs is None
+    assert drafting_api.chat.completions.create(**kwargs).choices[0].logprobs is None
 
     # The same numbers as gRPC gives for the same prompt.
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(text).input_ids  # (as the gateway renders it)
-    grpc_result = generate(stub, request(ids, max_tokens=12, logprobs=True))
+    grpc_result = generate(drafting_stub, request(ids, max_tokens=12, logprobs=True))
     got = [e for c in grpc_result.chunks for e in c.logprobs]
     assert [e.logprob for e in content] == pytest.approx([e.logprob for e in got], abs=1e-6)
 
-    completion = api.completions.create(
+    completion = drafting_api.completions.create(
         model=model, prompt="def add(a, b):", max_tokens=8, temperature=0, logprobs=2
     )
     lp = completion.choices[0].logprobs
@@ -181,18 +156,18 @@ def test_the_openai_client_gets_logprobs_streamed_and_not(api, stub, tokenizer):
         ({"logprobs": "yes"}, "logprobs"),
     ],
 )
-def test_bad_logprobs_are_refused_by_name(api, extra, param):
-    model = api.models.list().data[0].id
+def test_bad_logprobs_are_refused_by_name(drafting_api, extra, param):
+    model = drafting_api.models.list().data[0].id
     with pytest.raises(Exception) as refused:
-        api.chat.completions.create(
+        drafting_api.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **extra
         )
     assert refused.value.status_code == 400 and param in str(refused.value)
 
 
 @pytest.mark.cluster
-def test_grpc_refuses_more_than_twenty_top_logprobs(stub):
+def test_grpc_refuses_more_than_twenty_top_logprobs(drafting_stub):
     with pytest.raises(grpc.RpcError) as refused:
-        generate(stub, request([1, 2, 3], max_tokens=2, logprobs=True, top_logprobs=21))
+        generate(drafting_stub, request([1, 2, 3], max_tokens=2, logprobs=True, top_logprobs=21))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "top_logprobs" in refused.value.details()

@@ -14,9 +14,8 @@ import jsonschema
 import llguidance.torch
 import pytest
 import torch
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
 
-from conftest import cluster_config
 from helpers import generate, request
 from specserve.common import grammar
 from specserve.common.grammar import apply_masks as apply
@@ -24,8 +23,7 @@ from specserve.common.proposers.base import DraftJob, TreeShape
 from specserve.common.tree import DraftTree
 from specserve.drafter.draft_model import DraftModelProposer
 from specserve.engine.flat_model import FlatModel
-from specserve.local_cluster import LocalCluster
-from specserve.v1 import common_pb2, generation_pb2_grpc
+from specserve.v1 import common_pb2
 from specserve.verifier.constraint import Constraint
 
 OFF = common_pb2.SpeculationOptions(mode=common_pb2.SPECULATION_MODE_OFF)
@@ -146,33 +144,6 @@ def test_the_draft_model_drafts_only_what_the_grammar_allows(
     assert illegal
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
-    """The tiny target with a draft model that agrees with it part of the time, trees of 8."""
-    config = cluster_config(tiny_model_dir)
-    config["verifier"].update(
-        speculative_decoding=True, verification_tree_size=8, speculation_policy="fixed"
-    )
-    config["drafter"].update(draft_model_path=str(tiny_draft_dir), branching=2, width=4)
-    cluster = LocalCluster(config, tmp_path_factory.mktemp("structured"))
-    cluster.start(timeout=180)
-    yield cluster
-    cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(cluster):
-    channel = grpc.insecure_channel(cluster.procs["gateway"].address)
-    yield generation_pb2_grpc.GenerationServiceStub(channel)
-    channel.close()
-
-
-@pytest.fixture(scope="module")
-def api(cluster):
-    port = cluster.procs["gateway"].http_port
-    return OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-
-
 @pytest.mark.cluster
 @pytest.mark.parametrize(
     "field",
@@ -180,12 +151,12 @@ def api(cluster):
     ids=["json-schema", "regex"],
 )
 def test_greedy_constrained_output_is_plain_constrained_decodings(
-    stub, tokenizer, tiny_model, field
+    drafting_stub, tokenizer, tiny_model, field
 ):
     prompt = tokenizer("import numpy as np\n").input_ids
     spec = common_pb2.Grammar(**field)
-    on = generate(stub, request(prompt, max_tokens=48, grammar=spec))
-    off = generate(stub, request(prompt, max_tokens=48, grammar=spec, speculation=OFF))
+    on = generate(drafting_stub, request(prompt, max_tokens=48, grammar=spec))
+    off = generate(drafting_stub, request(prompt, max_tokens=48, grammar=spec, speculation=OFF))
     grammars = grammar.Grammars(tokenizer, tiny_model.config.vocab_size)
     eos = {tokenizer.eos_token_id}
     expected = constrained_greedy(tiny_model, grammars, grammar.source(spec), prompt, 48, eos)
@@ -199,18 +170,20 @@ def test_greedy_constrained_output_is_plain_constrained_decodings(
 
 
 @pytest.mark.cluster
-def test_sampled_outputs_always_match_the_schema(stub, tokenizer):
+def test_sampled_outputs_always_match_the_schema(drafting_stub, tokenizer):
     spec = common_pb2.Grammar(json_schema=json.dumps(PERSON))
     prompt = tokenizer("x = 1\n").input_ids
     for seed in range(4):
         sampling = common_pb2.SamplingParams(temperature=1.0, seed=seed)
-        result = generate(stub, request(prompt, max_tokens=48, grammar=spec, sampling=sampling))
+        result = generate(
+            drafting_stub, request(prompt, max_tokens=48, grammar=spec, sampling=sampling)
+        )
         assert result.final.finish_reason != common_pb2.FINISH_REASON_LENGTH, result.text
         jsonschema.validate(json.loads(result.text), PERSON)
 
 
 @pytest.mark.cluster
-def test_forced_tokens_are_drafted_for_free(stub, tokenizer):
+def test_forced_tokens_are_drafted_for_free(drafting_stub, tokenizer):
     """A schema whose keys and punctuation the grammar forces: those tokens come as the
     step's draft, so steps take more than one token even with speculation pinned to a tree
     the draft model cannot fill well."""
@@ -224,7 +197,9 @@ def test_forced_tokens_are_drafted_for_free(stub, tokenizer):
         "additionalProperties": False,
     }
     spec = common_pb2.Grammar(json_schema=json.dumps(schema))
-    result = generate(stub, request(tokenizer("SELECT").input_ids, max_tokens=40, grammar=spec))
+    result = generate(
+        drafting_stub, request(tokenizer("SELECT").input_ids, max_tokens=40, grammar=spec)
+    )
     json.loads(result.text)
     stats = result.final.speculation
     assert stats.accepted_tokens > 0 and stats.mean_accepted_length > 1.5
@@ -232,11 +207,11 @@ def test_forced_tokens_are_drafted_for_free(stub, tokenizer):
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("speculation", ["on", "off"])
-def test_the_openai_client_gets_json_that_validates(api, speculation):
-    model = api.models.list().data[0].id
+def test_the_openai_client_gets_json_that_validates(drafting_api, speculation):
+    model = drafting_api.models.list().data[0].id
     extra = {} if speculation == "on" else {"extra_body": {"speculation": "off"}}
     for temperature in (0, 1.0):
-        reply = api.chat.completions.create(
+        reply = drafting_api.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": "Describe a user as JSON."}],
             max_tokens=64,
@@ -249,7 +224,7 @@ def test_the_openai_client_gets_json_that_validates(api, speculation):
         )
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
-    anything = api.chat.completions.create(
+    anything = drafting_api.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "Any JSON object."}],
         max_tokens=64,
@@ -281,11 +256,11 @@ HOSTILE = {
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("name", list(HOSTILE))
-def test_a_schema_that_cannot_be_used_is_refused_quickly_by_name(api, stub, name):
+def test_a_schema_that_cannot_be_used_is_refused_quickly_by_name(drafting_api, drafting_stub, name):
     started = time.monotonic()
     with pytest.raises(BadRequestError) as refused:
-        api.chat.completions.create(
-            model=api.models.list().data[0].id,
+        drafting_api.chat.completions.create(
+            model=drafting_api.models.list().data[0].id,
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=4,
             response_format={
@@ -297,18 +272,18 @@ def test_a_schema_that_cannot_be_used_is_refused_quickly_by_name(api, stub, name
     assert time.monotonic() - started < 10
     with pytest.raises(grpc.RpcError) as grpc_refused:
         spec = common_pb2.Grammar(json_schema=json.dumps(HOSTILE[name]))
-        generate(stub, request([1, 2], max_tokens=4, grammar=spec))
+        generate(drafting_stub, request([1, 2], max_tokens=4, grammar=spec))
     assert grpc_refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert grpc_refused.value.details().startswith("grammar: ")
     # The gateway still serves.
-    assert generate(stub, request([1, 2], max_tokens=2)).ids
+    assert generate(drafting_stub, request([1, 2], max_tokens=2)).ids
 
 
 @pytest.mark.cluster
-def test_an_output_cut_short_ends_with_length_not_as_a_finished_answer(stub):
+def test_an_output_cut_short_ends_with_length_not_as_a_finished_answer(drafting_stub):
     """A schema whose shortest output is longer than max_tokens allows: the output is a
     prefix of one, and its finish reason says it was cut."""
     spec = common_pb2.Grammar(json_schema=json.dumps({"type": "string", "minLength": 200}))
-    result = generate(stub, request([1, 2, 3], max_tokens=8, grammar=spec))
+    result = generate(drafting_stub, request([1, 2, 3], max_tokens=8, grammar=spec))
     assert result.final.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert len(result.ids) == 8 and result.text.startswith('"')
