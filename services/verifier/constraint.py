@@ -48,24 +48,18 @@ class Constraint:
         to roll back)."""
         if token in self.eos_ids:
             if not self.matcher.is_accepting():
-                raise GrammarViolation(
-                    f"grammar: stopped at output token {self.consumed}: the output ended "
-                    "before its grammar allows"
-                )
+                raise self._stopped("the output ended before its grammar allows")
             return
         if not self.matcher.consume_token(token):
-            raise GrammarViolation(
-                f"grammar: stopped at output token {self.consumed}: "
-                f"{self.matcher.get_error()[:200]}"
-            )
+            raise self._stopped(self.matcher.get_error()[:200])
         self.consumed += 1
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise GrammarViolation(
-                f"grammar: stopped at output token {self.consumed}: "
-                f"{self.matcher.get_error()[:200]}"
-            )
+            raise self._stopped(self.matcher.get_error()[:200])
+
+    def _stopped(self, why: str) -> GrammarViolation:
+        return GrammarViolation(f"grammar: stopped at output token {self.consumed}: {why}")
 
     def rollback_to(self, consumed: int) -> None:
         """Back to the state after `consumed` tokens (a step that failed is undone)."""
