@@ -5,7 +5,7 @@ FROM python:3.11-slim
 
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
-    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 TORCH_EXTENSIONS_DIR=/app/kernels
 
 WORKDIR /app
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin specserve \
@@ -21,6 +21,11 @@ RUN pip install grpcio-tools \
     && cp /tmp/proto/specserve/v1/*.py services/v1/ \
     && rm -rf /tmp/proto \
     && pip install .
+# The engine's C++ CPU kernels, built into the image (torch's loader checks the build with the
+# compiler and ninja at every start, so g++ stays).
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -m specserve.engine.kernels && chown -R 10001 /app/kernels
 
 USER 10001
 # Models are fetched at start (an init container) into /models, a volume.

@@ -10,10 +10,10 @@ GEN     = services/v1/.generated
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: setup install proto proto-check models run test test-fast test-long bench bench-load bench-kv bench-learn bench-spec bench-llamacpp bench-structured bench-tp bench-scale bench-http bench-engine gpu-check gpu-bundle lint \
+.PHONY: setup install kernels proto proto-check models run test test-fast test-long bench bench-load bench-kv bench-learn bench-spec bench-llamacpp bench-structured bench-tp bench-scale bench-http bench-engine gpu-check gpu-bundle lint \
 	clean image image-gpu image-models k8s-secrets k8s-render
 
-setup: install proto models
+setup: install kernels proto models
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,15 @@ $(STAMP): pyproject.toml
 	touch $@
 
 install: $(STAMP)
+
+# The engine's C++ CPU kernels (services/engine/kernels), built once per source version, so
+# that no service start waits on the compiler.
+KERNELS = $(VENV)/.kernels
+$(KERNELS): $(wildcard services/engine/kernels/*.cpp) $(STAMP)
+	$(PY) -m specserve.engine.kernels
+	touch $@
+
+kernels: $(KERNELS)
 
 # Generated code lands in services/v1 (the import package specserve.v1), matching the proto package.
 $(GEN): $(PROTOS) $(STAMP)

@@ -14,7 +14,7 @@ from specserve.common.proposers.base import TreeShape
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
 from specserve.drafter import draft_model
 from specserve.drafter.draft_model import DraftModelProposer
-from specserve.engine import dtypes, gemm, quant
+from specserve.engine import dtypes, gemm, kernels, quant
 from specserve.engine.flat_model import FlatModel, Segment
 from specserve.verifier.sequence import common_prefix
 
@@ -42,17 +42,39 @@ def quantised(request, quant_dirs):
     return kind, models.load_model(target, DEVICE, kind), models.load_model(draft, DEVICE, kind)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_quantised_layer_computes_with_its_weights_and_rows_alone(kind):
+# int4 on an x86 CPU: the engine's kernel (inputs a multiple of its 256-input blocks, and
+# padded to one) and torch's; elsewhere torch's kernel twice.
+LAYER_CASES = [
+    ("int8", 256, None),
+    ("int4", 256, None),
+    ("int4", 288, None),
+    ("int4", 256, "torch"),
+]
+
+
+@pytest.mark.parametrize("kind,inputs,kernel", LAYER_CASES)
+def test_a_quantised_layer_computes_with_its_weights_and_rows_alone(
+    kind, inputs, kernel, monkeypatch
+):
+    if kernel:
+        monkeypatch.setenv("SPECSERVE_INT4_KERNEL", kernel)
     torch.manual_seed(0)
-    linear = nn.Linear(256, 192).to(DEVICE)
+    linear = nn.Linear(inputs, 192).to(DEVICE)
     layer = quant.LAYERS[kind](linear)
-    x = torch.randn(7, 256, device=DEVICE)  # [rows, in]
+    if kind == "int4":
+        on_x86 = DEVICE == "cpu" and kernels.cpu_supported()
+        assert layer.layout == ("blocks" if on_x86 and kernel is None else "torch")
+    x = torch.randn(7, inputs, device=DEVICE)  # [rows, in]
     y = layer(x)  # [rows, out]
     assert y.shape == (7, 192) and y.dtype == torch.float32
     exact = x.float() @ linear.weight.t() + linear.bias
     limit = {"int8": 0.02, "int4": 0.15}[kind]  # of the largest output
     assert (y.float() - exact).abs().max() <= limit * exact.abs().max()
+    if kind == "int4":  # against the weights its codes encode: the activations' rounding only
+        codes, scales, offsets = quant.int4_codes(linear.weight.detach().float())
+        kept = [t.to(quant.KERNEL_DTYPE).float() for t in (scales, offsets)]
+        encoded = x.float() @ quant.int4_dequantized(codes, *kept).t() + linear.bias
+        assert (y.float() - encoded).abs().max() <= 0.02 * encoded.abs().max()
     # Row i does not depend on the other rows: one token's logits are the same whether it is
     # decoded alone or verified with a tree (what keeps speculation exact).
     alone = torch.cat([layer(x[i : i + 1]) for i in range(7)])

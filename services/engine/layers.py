@@ -107,7 +107,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def joined(parts: list[nn.Module]) -> nn.Module:
     """One layer computing `parts`' outputs side by side (concatenated on the last dim);
     each part's weights become views of the joined layer's, except int4's scales and
-    offsets, which its kernel reads contiguous (a part keeps a copy: 1/4 of its codes' bytes)."""
+    offsets in torch's layout, which its kernel reads contiguous (a part keeps a copy: 1/4
+    of its codes' bytes)."""
     kind = type(parts[0])
     if any(type(p) is not kind for p in parts) or kind not in JOINERS:
         raise TypeError(f"cannot join {[type(p).__name__ for p in parts]}")
@@ -159,18 +160,26 @@ class _Int8:
 
 
 class _Int4:
-    """Int4Linear: packed codes stacked by output channel; scale_offset [in / G, out, 2]."""
+    """Int4Linear: packed codes stacked by output channel; scale_offset by output channel in
+    the "blocks" layout ([out, in / 256, 16]), [in / G, out, 2] in torch's."""
 
     def __call__(self, fused, parts) -> None:
+        fused.layout = parts[0].layout
         fused.register_buffer("packed", torch.cat([p.packed for p in parts]))
-        joined_pairs = torch.cat([p.scale_offset for p in parts], dim=1)
+        joined_pairs = torch.cat([p.scale_offset for p in parts], dim=_Int4.pairs_dim(fused))
         fused.register_buffer("scale_offset", joined_pairs)
+
+    @staticmethod
+    def pairs_dim(layer) -> int:
+        return 0 if layer.layout == "blocks" else 1
 
     @staticmethod
     def share(fused, part, rows: slice) -> None:
         # CUDA's packed layout stacks 8 output channels a row: every part's count divides by 8
         scale = fused.packed.shape[0] / fused.out_features
         part.packed = fused.packed[int(rows.start * scale) : int(rows.stop * scale)]
+        if _Int4.pairs_dim(fused) == 0:
+            part.scale_offset = fused.scale_offset[rows]
 
 
 JOINERS = {nn.Linear: _Dense(), WideLinear: _Dense(), Int8Linear: _Int8(), Int4Linear: _Int4()}

@@ -1,0 +1,91 @@
+"""The engine's own CPU kernels, built from C++ on first use with torch's extension builder
+(into torch's extension cache: ~/.cache/torch_extensions, rebuilt when a source changes).
+
+- `int4_cpu.cpp`: `torch.ops.specserve.int4_mm`, int4 weights (groups of 32, a bfloat16 scale
+  and offset each) times float32 activations quantised per group to int8, on x86 CPUs with
+  AVX2 and FMA. `quant.Int4Linear` uses it on such CPUs; elsewhere torch's int4 kernels.
+
+`python -m specserve.engine.kernels` builds them (`make install` does, so no service start
+waits on a compiler) and prints what was built.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name("int4_cpu.cpp")]
+GROUP = 32  # inputs per int4 scale/offset pair
+BLOCK_GROUPS = 8  # groups per block of the int4 layout
+BLOCK_INPUTS = GROUP * BLOCK_GROUPS
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # openmp: at::parallel_for's pragmas
+
+
+class KernelError(RuntimeError):
+    """The engine's CPU kernels cannot be built or run on this host."""
+
+
+def cpu_supported() -> bool:
+    """Whether this host runs the kernels: x86 with AVX2 (FMA comes with every AVX2 CPU
+    torch supports)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@functools.cache
+def load() -> None:
+    """Builds (once per source version) and loads the kernels into torch.ops.specserve;
+    raises KernelError naming what is missing."""
+    if not cpu_supported():
+        raise KernelError(
+            f"the int4 CPU kernel needs AVX2; this CPU's capability is "
+            f"{torch.backends.cpu.get_cpu_capability()}"
+        )
+    from torch.utils import cpp_extension
+
+    start = time.monotonic()
+    try:
+        cpp_extension.load(
+            name="specserve_kernels",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, a build error
+        raise KernelError(f"building the engine's CPU kernels failed: {e}") from e
+
+    @torch.library.register_fake("specserve::int4_mm")
+    def _(x, codes, scale_offset):  # its output's shape, for tracing (torch.compile)
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    log.info("engine CPU kernels loaded", extra={"seconds": round(time.monotonic() - start, 1)})
+
+
+def int4_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [out, in] in 0..15 and scales, offsets [out, in / GROUP] bfloat16 (in a multiple
+    of BLOCK_INPUTS) -> int4_mm's layout: packed codes [out, in / 2] uint8 and scale_offset
+    [out, in / BLOCK_INPUTS, 2 * BLOCK_GROUPS] bfloat16 (a block's scales, then its offsets).
+
+    A block's 256 codes are four rows of 32 bytes; row i holds step 2i in its low nibbles and
+    step 2i + 1 in its high ones, and a step is codes 4s..4s+3 of each of the block's 8 groups
+    in turn (int4_cpu.cpp)."""
+    out, inputs = codes.shape
+    blocks = inputs // BLOCK_INPUTS
+    steps = codes.reshape(out, blocks, BLOCK_GROUPS, 8, 4).transpose(2, 3)  # [.., step, group, 4]
+    pairs = steps.reshape(out, blocks, 4, 2, 32).to(torch.uint8)
+    packed = (pairs[:, :, :, 0] | pairs[:, :, :, 1] << 4).reshape(out, inputs // 2)
+    shape = (out, blocks, BLOCK_GROUPS)
+    return packed, torch.cat([scales.reshape(shape), offsets.reshape(shape)], dim=-1)
+
+
+def int4_mm(x: torch.Tensor, codes: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
+    """[rows, in] float32 @ int4 weights in int4_blocks' layout -> [rows, out] float32."""
+    return torch.ops.specserve.int4_mm(x, codes, scale_offset)
