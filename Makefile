@@ -26,7 +26,7 @@ install: $(STAMP)
 # The engine's C++ CPU kernels (services/engine/kernels), built once per source version, so
 # that no service start waits on the compiler.
 KERNELS = $(VENV)/.kernels
-$(KERNELS): $(wildcard services/engine/kernels/*.cpp) $(STAMP)
+$(KERNELS): $(wildcard services/engine/kernels/*.cpp services/engine/kernels/*.inc) $(STAMP)
 	$(PY) -m specserve.engine.kernels
 	touch $@
 

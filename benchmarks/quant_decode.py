@@ -10,8 +10,8 @@ bfloat16 over --tokens tokens: `same_prefix`, the tokens produced before the fir
 difference; `teacher_forced`, the share of positions whose argmax equals bfloat16's token
 when both read bfloat16's own output.
 
-Candidates: `bfloat16`, `float32`; `int8`, `int4` (services/engine/quant.py, torch's own
-kernels); `dynamic-int8` (torch.ao quantize_dynamic, float32 activations); and, where the
+Candidates: `bfloat16`, `float32`; `int8`, `int4` (services/engine/quant.py: torch's int8
+kernel, the engine's int4 kernel on x86 CPUs); `int4-torch` (torch's int4 CPU kernel); `dynamic-int8` (torch.ao quantize_dynamic, float32 activations); and, where the
 torchao package imports, `torchao-int8`, `torchao-int4`, `torchao-int8-dyn`. `--compile NAMES`
 adds a `NAME+compiled` row for each, with every decoder layer's MLP under torch.compile
 (fullgraph; a candidate that does not compile gets a row with the error).
@@ -47,6 +47,15 @@ def load_plain(path: Path, dtype: str):
     return models.load_model(path, "cpu", dtype)
 
 
+def load_torch_int4(path: Path):
+    """int4 on torch's own CPU kernel rather than the engine's (SPECSERVE_INT4_KERNEL=torch)."""
+    os.environ["SPECSERVE_INT4_KERNEL"] = "torch"
+    try:
+        return load_plain(path, "int4")
+    finally:
+        del os.environ["SPECSERVE_INT4_KERNEL"]
+
+
 def load_dynamic_int8(path: Path):
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
@@ -78,6 +87,7 @@ def loaders(path: Path) -> dict[str, Callable]:
         "float32": lambda: load_plain(path, "float32"),
         "int8": lambda: load_plain(path, "int8"),
         "int4": lambda: load_plain(path, "int4"),
+        "int4-torch": lambda: load_torch_int4(path),
         "dynamic-int8": lambda: load_dynamic_int8(path),
     }
     try:

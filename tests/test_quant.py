@@ -81,6 +81,26 @@ def test_a_quantised_layer_computes_with_its_weights_and_rows_alone(
     assert torch.equal(y, alone)
 
 
+def test_int4_without_the_engines_kernel_takes_torchs_and_says_why(monkeypatch, caplog):
+    """A host where the C++ kernel cannot be built (no compiler, no AVX2) serves int4 on
+    torch's kernel, with a warning naming the reason; the layer computes the same product."""
+
+    def no_kernel():
+        raise kernels.KernelError("no compiler here")
+
+    monkeypatch.setattr(kernels, "load", no_kernel)
+    quant._warn_once.cache_clear()
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 64)
+    with caplog.at_level("WARNING", logger="specserve.engine.quant"):
+        layer = quant.Int4Linear(linear)
+    assert layer.layout == "torch"
+    assert "int4 layers use torch's kernel: no compiler here" in caplog.text
+    x = torch.randn(3, 256)
+    exact = x @ linear.weight.t() + linear.bias
+    assert (layer(x) - exact).abs().max() <= 0.15 * exact.abs().max()
+
+
 def test_an_int8_call_past_the_kernels_rows_computes_the_same_product_by_gemm():
     """More than INT8_KERNEL_ROWS rows (a prompt chunk) go through a GEMM over the widened
     codes (gemm.wide_dtype): the same weights, so each row is the int8 kernel's up to

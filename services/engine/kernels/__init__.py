@@ -1,9 +1,11 @@
 """The engine's own CPU kernels, built from C++ on first use with torch's extension builder
 (into torch's extension cache: ~/.cache/torch_extensions, rebuilt when a source changes).
 
-- `int4_cpu.cpp`: `torch.ops.specserve.int4_mm`, int4 weights (groups of 32, a bfloat16 scale
-  and offset each) times float32 activations quantised per group to int8, on x86 CPUs with
-  AVX2 and FMA. `quant.Int4Linear` uses it on such CPUs; elsewhere torch's int4 kernels.
+- `int4_cpu.cpp` (its loops in `int4_rows.inc`): `torch.ops.specserve.int4_mm`, int4 weights
+  (groups of 32, a bfloat16 scale and offset each) times float32 activations quantised per
+  group to int8, on x86 CPUs with AVX2 and FMA, with AVX512-VNNI's byte dot products where the
+  CPU has them (`int4_mm_avx2` runs the AVX2 path anywhere, for the tests).
+  `quant.Int4Linear` uses it on such CPUs; elsewhere torch's int4 kernels.
 
 `python -m specserve.engine.kernels` builds them (`make install` does, so no service start
 waits on a compiler) and prints what was built.
@@ -60,9 +62,11 @@ def load() -> None:
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, a build error
         raise KernelError(f"building the engine's CPU kernels failed: {e}") from e
 
-    @torch.library.register_fake("specserve::int4_mm")
-    def _(x, codes, scale_offset):  # its output's shape, for tracing (torch.compile)
-        return x.new_empty(x.shape[0], codes.shape[0])
+    for op in ("specserve::int4_mm", "specserve::int4_mm_avx2"):
+
+        @torch.library.register_fake(op)
+        def _(x, codes, scale_offset):  # the output's shape, for tracing (torch.compile)
+            return x.new_empty(x.shape[0], codes.shape[0])
 
     log.info("engine CPU kernels loaded", extra={"seconds": round(time.monotonic() - start, 1)})
 
