@@ -11,10 +11,11 @@ difference; `teacher_forced`, the share of positions whose argmax equals bfloat1
 when both read bfloat16's own output.
 
 Candidates: `bfloat16`, `float32`; `int8`, `int4` (services/engine/quant.py: torch's int8
-kernel, the engine's int4 kernel on x86 CPUs); `int4-torch` (torch's int4 CPU kernel); `dynamic-int8` (torch.ao quantize_dynamic, float32 activations); and, where the
-torchao package imports, `torchao-int8`, `torchao-int4`, `torchao-int8-dyn`. `--compile NAMES`
-adds a `NAME+compiled` row for each, with every decoder layer's MLP under torch.compile
-(fullgraph; a candidate that does not compile gets a row with the error).
+kernel, the engine's int4 kernel on x86 CPUs); `int4-torch` (torch's int4 CPU kernel);
+`dynamic-int8` (torch.ao quantize_dynamic, float32 activations); and, where the torchao package
+imports, `torchao-int8`, `torchao-int4`, `torchao-int8-dyn`. `--compile NAMES` adds a
+`NAME+compiled` row for each, with every decoder layer's MLP under torch.compile (fullgraph; a
+candidate that does not compile gets a row with the error).
 """
 
 from __future__ import annotations
