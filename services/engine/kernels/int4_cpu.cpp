@@ -18,14 +18,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 4;  // activation rows that share one unpack of a weight block
-constexpr int64_t kRowChunk = 16;  // weight rows that take the activations' spans together
-constexpr int64_t kL1Activations = 16384;  // bytes of int8 activations a span may hold
+constexpr int64_t kRowChunk = 32;  // weight rows that the activation rows' tiles pass in turn
 
 // Groups come in blocks of kBlock = 8. A block's 256 codes are 128 bytes: four 32-byte rows,
 // row i's low nibbles step 2i and high nibbles step 2i + 1; a step's 32 bytes are 4 codes of
