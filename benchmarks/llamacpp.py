@@ -49,6 +49,7 @@ from specserve.common.settings import ModelRef, ServiceSettings
 from specserve.local_cluster import LocalCluster, free_port, without_security
 from specserve.v1 import common_pb2, generation_pb2_grpc
 
+from .engine import git_commit
 from .prompts import PROMPTS
 from .spec_bench import cluster_config
 from .spec_bench import stream as cluster_stream
@@ -253,6 +254,7 @@ def main() -> None:
     record = {
         "command": "python -m benchmarks.llamacpp " + " ".join(sys.argv[1:]),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "git_commit": git_commit(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "llama_cpp": f"{PACKAGE} {VERSION} ({' '.join(CMAKE_FLAGS)})",
         "gguf": {"target": target.name, "draft": draft.name},
