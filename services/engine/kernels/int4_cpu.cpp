@@ -105,7 +105,6 @@ at::Tensor int4_mm_on(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   return y;
 }
 
-
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so) {
   static const bool vnni =
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
