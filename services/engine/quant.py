@@ -116,8 +116,9 @@ class Int4Linear(nn.Module):
 
     On x86 CPUs with AVX2 the codes are kept in the engine's own block layout for
     `kernels.int4_mm` (`layout == "blocks"`): a row through a 1536 x 8960 layer 3x faster
-    than torch's CPU kernel; it takes float32 activations (quantised per group of 32 to int8). Elsewhere, or with
-    SPECSERVE_INT4_KERNEL=torch, torch's int4 kernels (`layout == "torch"`)."""
+    than torch's CPU kernel; it takes float32 activations (quantised per group of 32 to
+    int8). Elsewhere, or with SPECSERVE_INT4_KERNEL=torch, torch's int4 kernels
+    (`layout == "torch"`)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
