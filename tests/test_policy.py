@@ -220,6 +220,18 @@ def test_a_model_free_tree_that_rarely_matches_is_not_asked_for():
     assert policy.deep_budgets([Candidate(64, 0.6, hit=0.1)], rate, [1], [0.002])[0] > 0
 
 
+def test_a_model_free_trees_depth_does_not_shrink_with_its_misses():
+    """An ask that finds no match verifies no node: how often asks match decides whether to
+    ask, not how deep a match may go (charging every ask the nodes' time cut it short)."""
+    policy = AdaptivePolicy(8)
+    policy.cost.calibrate(INT4_PROFILE)
+    policy.steps = 1
+    rate = 1 / 0.058
+    (always,) = policy.deep_budgets([Candidate(64, 0.9, hit=1.0)], rate, [1], [0.002])
+    (half,) = policy.deep_budgets([Candidate(64, 0.9, hit=0.5)], rate, [1], [0.002])
+    assert always >= 4 and half == always
+
+
 def test_a_draft_models_catch_up_is_spread_over_what_the_sequence_has_left():
     """Before its first draft-model tree a sequence's context goes through the draft model
     (2.5 s for 400 tokens here): worth it for a long answer, not for a short one after a long

@@ -275,12 +275,14 @@ class AdaptivePolicy:
         asking: list[float] | None = None,
     ) -> list[int]:
         """Budgets of model-free trees, which cost no draft pass, only their verification: per
-        sequence the depth k whose expected extra tokens (hit x (alpha + ... + alpha^k), hit
-        the share of asks that found a match) most exceed what the step's `rate` loses in the
-        time k nodes add to the pass (of `tokens[i]` tokens without them; with a linear cost,
-        the deepest k with alpha^k >= b x rate) and in `asking[i]` (the drafter's round trip,
-        where only this tree would ask it), if that is at least MARGIN tokens. On a probe step
-        the candidates are priced at EXPLORE_ALPHA or better, and as if every ask matched."""
+        sequence the depth k whose expected extra tokens (alpha + ... + alpha^k) most exceed
+        what the step's `rate` loses in the time k nodes add to the pass (of `tokens[i]`
+        tokens without them; with a linear cost, the deepest k with alpha^k >= b x rate). An
+        ask that finds no match returns no tree and adds no node, so that net gain counts
+        `hit` times (hit, the share of asks that found a match), against `asking[i]` every
+        time (the drafter's round trip, where only this tree would ask it); the tree is asked
+        for if what is left is at least MARGIN tokens. On a probe step the candidates are
+        priced at EXPLORE_ALPHA or better, and as if every ask matched."""
         if not self.cost.known:  # b = 0 only stands for "not measured yet"
             return [c.cap if c.pinned else min(c.cap, self.max_budget) for c in candidates]
         budgets = []
@@ -297,10 +299,10 @@ class AdaptivePolicy:
             else:
                 gain = alpha * (1.0 - alpha**ks) / (1.0 - alpha)  # alpha + ... + alpha^k
             added = self.cost.verify_seconds(base + ks) - self.cost.verify_seconds(base)
-            net = hit * gain - rate * added  # tokens the step gains, net of the time it loses
+            net = gain - rate * added  # tokens a match gains, net of the time its nodes take
             k = int(np.flatnonzero(net >= net.max() - 1e-12)[-1])
             ask = rate * asking[i] if asking else 0.0
-            budgets.append(k if net[k] - ask >= MARGIN else 0)
+            budgets.append(k if hit * net[k] - ask >= MARGIN else 0)
         return budgets
 
     def budgets(self, candidates: list[Candidate], other_tokens: int) -> list[int]:
