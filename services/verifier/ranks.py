@@ -99,10 +99,7 @@ class Ranks:
         command = [sys.executable, "-m", "specserve.verifier.ranks"]
         parent = os.getpid()
         procs = [
-            subprocess.Popen(
-                [*command, str(rank), json.dumps(asdict(spec))],
-                preexec_fn=lambda: _die_with(parent),
-            )
+            _spawn([*command, str(rank), json.dumps(asdict(spec))], parent)
             for rank in range(1, world)
         ]
         ranks = cls(spec, store, procs)
@@ -192,6 +189,28 @@ def describe_exit(code: int) -> str:
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return f"exit code {code}"
+
+
+def _spawn(command: list[str], parent: int) -> subprocess.Popen:
+    """Starts a rank from a thread that stays for the process's life. PR_SET_PDEATHSIG kills
+    a child when the thread that started it ends, not the process, and rank 0 launches its
+    ranks while it is built, on a thread that ends then (service.in_own_thread)."""
+    started: dict[str, object] = {}
+    ready = threading.Event()
+
+    def run() -> None:
+        try:
+            started["proc"] = subprocess.Popen(command, preexec_fn=lambda: _die_with(parent))
+        except BaseException as e:  # (raised on the caller's thread)
+            started["error"] = e
+        ready.set()
+        threading.Event().wait()  # for good: this thread's end would kill the rank
+
+    threading.Thread(target=run, name="rank-parent", daemon=True).start()
+    ready.wait()
+    if "error" in started:
+        raise started["error"]
+    return started["proc"]
 
 
 def _die_with(parent: int) -> None:
