@@ -15,14 +15,19 @@ from specserve.common.service import in_own_thread
 
 # In a fresh interpreter: the process's thread count before and after one parallel torch op,
 # run on the main thread or through in_own_thread.
+# (The workers of a thread that ended exit on their own time: the count is read until it is
+# back, for up to 10 s; the main thread's stay.)
 COUNT = """
-import os, sys, torch
+import os, sys, time, torch
 from specserve.common.service import in_own_thread
 torch.set_num_threads(2)
 threads = lambda: len(os.listdir("/proc/self/task"))
 before = threads()
 work = lambda: (torch.randn(1500, 1500) @ torch.randn(1500, 1500)).sum().item()
 work() if sys.argv[1] == "main" else in_own_thread(work)
+deadline = time.monotonic() + 10
+while sys.argv[1] != "main" and threads() != before and time.monotonic() < deadline:
+    time.sleep(0.05)
 print(before, threads())
 """
 
