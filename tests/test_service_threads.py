@@ -1,7 +1,8 @@
-"""A service's build runs on a thread that ends with it (common/service.in_own_thread), so
-that the OpenMP team its model work starts goes with it and the engine thread's is the
-process's only one (with two, libgomp's idle workers sleep between ops: a decode step waited
-on their waking)."""
+"""A process's model work on one thread: a service's build runs on a thread that ends with it
+(common/service.in_own_thread), so that the OpenMP team its model work starts goes with it
+and the engine thread's is the process's only one (with two, libgomp's idle workers sleep
+between ops: a decode step waited on their waking); a drafter drafts on one thread whichever
+gRPC thread serves the stream."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import threading
 
 import pytest
 
+from specserve.common.proposers.ngram import NgramProposer
 from specserve.common.service import in_own_thread
+from specserve.common.settings import DrafterSettings
+from specserve.drafter.server import DrafterService
+from specserve.v1 import drafter_pb2
 
 # In a fresh interpreter: the process's thread count before and after one parallel torch op,
 # run on the main thread or through in_own_thread.
@@ -19,7 +24,11 @@ from specserve.common.service import in_own_thread
 # back, for up to 10 s; the main thread's stay.)
 COUNT = """
 import os, sys, time, torch
+from specserve.common.proposers.ngram import NgramProposer
 from specserve.common.service import in_own_thread
+from specserve.common.settings import DrafterSettings
+from specserve.drafter.server import DrafterService
+from specserve.v1 import drafter_pb2
 torch.set_num_threads(2)
 threads = lambda: len(os.listdir("/proc/self/task"))
 before = threads()
@@ -60,3 +69,32 @@ def test_the_openmp_workers_a_build_starts_end_with_it():
     assert after > before  # the control: the main thread keeps a worker after its op
     before, after = counts("own-thread")
     assert after == before
+
+
+def test_a_drafter_drafts_on_one_thread_whichever_thread_serves_its_stream():
+    """Streams served on two gRPC threads draft on the drafter's one model thread (a second
+    OpenMP team in the process would slow every draft)."""
+    proposer = NgramProposer.from_settings(DrafterSettings())
+    drafted_on: list[str] = []
+    propose = proposer.propose
+
+    def recorded(jobs):
+        drafted_on.append(threading.current_thread().name)
+        return propose(jobs)
+
+    proposer.propose = recorded
+    service = DrafterService(proposer)
+
+    def stream(seq_id: str) -> None:
+        delta = drafter_pb2.SequenceDelta(
+            sequence_id=seq_id, new_token_ids=[5, 6, 7, 5, 6], accepted_len=0, budget=3
+        )
+        response, _ = service.answer(drafter_pb2.SpeculateRequest(step=1, sequences=[delta]), {})
+        assert [t.sequence_id for t in response.trees] == [seq_id]
+
+    for seq_id in ("a", "b"):  # each on a thread of its own, as two gRPC threads would
+        thread = threading.Thread(target=stream, args=(seq_id,))
+        thread.start()
+        thread.join()
+    assert len(drafted_on) == 2 and drafted_on[0] == drafted_on[1]
+    assert drafted_on[0].startswith("draft-model")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..common import models, telemetry
@@ -35,6 +36,14 @@ class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
         self.proposer = proposer
         self.run_ahead = run_ahead
         self._lock = threading.Lock()  # one proposal at a time: the cores are shared anyway
+        # Drafting runs on one thread whichever gRPC thread serves the stream: OpenMP keeps a
+        # team of workers for every thread that ran a parallel op, and a second team (a
+        # verifier's stream that came back on another thread) would make more OpenMP threads
+        # than cores (service.in_own_thread says what that costs).
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="draft-model")
+
+    def _on_model_thread(self, fn, *args):
+        return self._model_thread.submit(fn, *args).result()
 
     def Speculate(self, request_iterator, context):
         held: dict[str, _Held] = {}  # sequence id -> what this stream told of it
@@ -45,7 +54,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
                 yield response
                 if ahead is not None:  # while the verifier verifies what was just sent
                     with self._lock:
-                        ahead.draft(self.proposer, drafted)
+                        self._on_model_thread(ahead.draft, self.proposer, drafted)
         finally:
             with self._lock:
                 for seq_id in held:
@@ -114,7 +123,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
                 self._lock,
                 metrics.PROPOSE_SECONDS.time(),
             ):
-                trees = self.proposer.propose(to_draft)
+                trees = self._on_model_thread(self.proposer.propose, to_draft)
                 span.set_attribute("sequences", len(to_draft))
                 span.set_attribute("nodes", sum(map(len, trees)))
             ready |= {job.seq_id: tree for job, tree in zip(to_draft, trees, strict=True)}
