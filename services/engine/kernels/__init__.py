@@ -7,7 +7,7 @@
   CPU has them (`int4_mm_avx2` runs the AVX2 path anywhere, for the tests).
   `quant.Int4Linear` uses it on such CPUs; elsewhere torch's int4 kernels.
 
-`python -m specserve.engine.kernels` builds them (`make install` does, so no service start
+`python -m specserve.engine.kernels` builds them (`make setup` does, so no service start
 waits on a compiler) and prints what was built.
 """
 

@@ -1,4 +1,4 @@
-"""Builds the engine's CPU kernels (make install runs this)."""
+"""Builds the engine's CPU kernels (`make setup` runs this)."""
 
 import logging
 
