@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import Future
 
 import prometheus_client
 
@@ -52,20 +53,18 @@ def in_own_thread(fn, *args):
     for its workers to wake, and the default target decoded at 18.5 tokens/s against 28-30
     with the model's work on one thread (2 cores, int4). A thread that ends takes its team
     with it, so the engine's is the process's only one."""
-    outcome: dict[str, object] = {}
+    outcome: Future = Future()
 
     def run() -> None:
         try:
-            outcome["value"] = fn(*args)
-        except BaseException as e:  # (re-raised on the caller's thread)
-            outcome["error"] = e
+            outcome.set_result(fn(*args))
+        except BaseException as e:  # (raised on the caller's thread)
+            outcome.set_exception(e)
 
     thread = threading.Thread(target=run, name="build", daemon=True)
     thread.start()
     thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    return outcome.result()
 
 
 def run_service(name: str, config_path: str | None, port: int | None = None) -> int:

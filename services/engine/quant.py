@@ -149,10 +149,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.layout == "blocks":
-            flat = flat.float()
-            if self.packed.shape[1] * 2 != self.in_features:
-                flat = nn.functional.pad(flat, (0, self.packed.shape[1] * 2 - self.in_features))
-            y = kernels.int4_mm(flat, self.packed, self.scale_offset)
+            y = kernels.int4_mm(flat.float(), self.packed, self.scale_offset)  # (pads itself)
         elif self.packed.is_cuda:
             flat = flat.to(KERNEL_DTYPE)
             y = torch._weight_int4pack_mm(flat, self.packed, INT4_GROUP, self.scale_offset)

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -195,22 +196,17 @@ def _spawn(command: list[str], parent: int) -> subprocess.Popen:
     """Starts a rank from a thread that stays for the process's life. PR_SET_PDEATHSIG kills
     a child when the thread that started it ends, not the process, and rank 0 launches its
     ranks while it is built, on a thread that ends then (service.in_own_thread)."""
-    started: dict[str, object] = {}
-    ready = threading.Event()
+    started: Future = Future()
 
     def run() -> None:
         try:
-            started["proc"] = subprocess.Popen(command, preexec_fn=lambda: _die_with(parent))
+            started.set_result(subprocess.Popen(command, preexec_fn=lambda: _die_with(parent)))
         except BaseException as e:  # (raised on the caller's thread)
-            started["error"] = e
-        ready.set()
+            started.set_exception(e)
         threading.Event().wait()  # for good: this thread's end would kill the rank
 
     threading.Thread(target=run, name="rank-parent", daemon=True).start()
-    ready.wait()
-    if "error" in started:
-        raise started["error"]
-    return started["proc"]
+    return started.result()
 
 
 def _die_with(parent: int) -> None:

@@ -91,5 +91,6 @@ def int4_blocks(
 
 
 def int4_mm(x: torch.Tensor, codes: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
-    """[rows, in] float32 @ int4 weights in int4_blocks' layout -> [rows, out] float32."""
+    """[rows, in] float32 @ int4 weights in int4_blocks' layout -> [rows, out] float32; `in`
+    may stop short of the weights' inputs by their zero padding (whole groups)."""
     return torch.ops.specserve.int4_mm(x, codes, scale_offset)

@@ -32,10 +32,17 @@ constexpr int64_t kRowChunk = 32;  // weight rows that the activation rows' tile
 // block's scales (8 bfloat16) come before its offsets (8) in scale_offset.
 constexpr int64_t kBlock = 8;
 
-// One activation row [n] -> int8 codes in the block layout [n], and per group its scale d
-// and d * (sum of its codes) s.
-void quantize_row(const float* x, int64_t n, int8_t* q, float* d, float* s) {
+// One activation row of `cols` values -> int8 codes in the block layout [n], and per group
+// its scale d and d * (sum of its codes) s. Groups past `cols` (the weights' zero padding to
+// whole blocks) are zeros.
+void quantize_row(const float* x, int64_t cols, int64_t n, int8_t* q, float* d, float* s) {
   for (int64_t g = 0; g < n / kGroup; ++g) {
+    if (g * kGroup >= cols) {
+      int8_t* block = q + (g / kBlock) * kBlock * kGroup;
+      for (int64_t i = 0; i < kGroup; ++i) block[(i / 4) * 32 + (g % kBlock) * 4 + i % 4] = 0;
+      d[g] = s[g] = 0.f;
+      continue;
+    }
     const float* xg = x + g * kGroup;
     float amax = 0.f;
     for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
@@ -73,8 +80,11 @@ at::Tensor int4_mm_on(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
               "int4_mm: codes must be uint8 [out, in / 2]");
   TORCH_CHECK(so.scalar_type() == at::kBFloat16 && so.dim() == 3 && so.size(2) == kBlock * 2,
               "int4_mm: scales and offsets must be bfloat16 [out, in / 256, 16]");
-  const int64_t rows = x.size(0), n = x.size(1), out = qs.size(0);
-  TORCH_CHECK(n % (kGroup * kBlock) == 0 && qs.size(1) * 2 == n && so.size(0) == out &&
+  // n: the weights' inputs, whole blocks; x may have fewer columns (whole groups), the rest
+  // being the weights' zero padding.
+  const int64_t rows = x.size(0), cols = x.size(1), n = qs.size(1) * 2, out = qs.size(0);
+  TORCH_CHECK(n % (kGroup * kBlock) == 0 && cols % kGroup == 0 && cols <= n &&
+                  n - cols < kGroup * kBlock && so.size(0) == out &&
                   so.size(1) * kGroup * kBlock == n,
               "int4_mm: shapes disagree: x ", x.sizes(), ", codes ", qs.sizes(),
               ", scales and offsets ", so.sizes());
@@ -91,7 +101,7 @@ at::Tensor int4_mm_on(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   float* sp = xs.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m)
-      quantize_row(xp + m * n, n, qp + m * n, dp + m * groups, sp + m * groups);
+      quantize_row(xp + m * cols, cols, n, qp + m * n, dp + m * groups, sp + m * groups);
   });
   const uint8_t* wq = qc.data_ptr<uint8_t>();
   const uint16_t* wso = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
