@@ -40,31 +40,50 @@ constexpr int64_t kAhead = 2048;
 constexpr int64_t kBlock = 8;
 constexpr int kSlot[kBlock] = {0, 2, 1, 3, 4, 6, 5, 7};  // where step k's 32 bytes sit
 
-// One activation row of `cols` values -> int8 codes in the block layout [n], and per group
-// its scale d and d * (sum of its codes) s. Groups past `cols` (the weights' zero padding to
-// whole blocks) are zeros.
-void quantize_row(const float* x, int64_t cols, int64_t n, int8_t* q, float* d, float* s) {
-  for (int64_t g = 0; g < n / kGroup; ++g) {
-    if (g * kGroup >= cols) {
-      int8_t* block = q + (g / kBlock) * kBlock * kGroup;
-      for (int64_t i = 0; i < kGroup; ++i) block[kSlot[i / 4] * 32 + (g % kBlock) * 4 + i % 4] = 0;
+// Group g of an activation row (32 values at x) -> its int8 codes, in the block layout within
+// the block at q, its scale d = amax / 127 and d * (the sum of its codes) s. Rounds to nearest
+// even as std::nearbyint does (AVX2's conversion under the default rounding mode).
+inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + i * 8);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+  __m256i c[4], sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    sum = _mm256_add_epi32(sum, c[i]);
+  }
+  // int32 -> int8 (|code| <= 127): the packs interleave 128-bit lanes, the permute restores order
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  alignas(32) int32_t words[8];  // word k: codes 4k .. 4k + 3
+  _mm256_store_si256(reinterpret_cast<__m256i*>(words), bytes);
+  for (int k = 0; k < 8; ++k)
+    std::memcpy(q + kSlot[k] * 32 + (g % kBlock) * 4, &words[k], sizeof(int32_t));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  d[g] = top / 127.f;
+  s[g] = d[g] * static_cast<float>(_mm_cvtsi128_si32(t));
+}
+
+// Block b of one activation row of `cols` values (n padded) -> int8 codes [256 at q] and its
+// groups' d and s. Groups past `cols` (the weights' zero padding to whole blocks) are zeros.
+void quantize_block(const float* x, int64_t cols, int64_t b, int8_t* q, float* d, float* s) {
+  for (int64_t g = b * kBlock; g < (b + 1) * kBlock; ++g) {
+    if (g * kGroup < cols) {
+      quantize_group(x + g * kGroup, g, q, d, s);
+    } else {
+      for (int k = 0; k < 8; ++k) std::memset(q + kSlot[k] * 32 + (g % kBlock) * 4, 0, 4);
       d[g] = s[g] = 0.f;
-      continue;
     }
-    const float* xg = x + g * kGroup;
-    float amax = 0.f;
-    for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int8_t* block = q + (g / kBlock) * kBlock * kGroup;
-    const int64_t lane = (g % kBlock) * 4;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kGroup; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xg[i] * inv));
-      block[kSlot[i / 4] * 32 + lane + i % 4] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    d[g] = amax / 127.f;
-    s[g] = d[g] * static_cast<float>(sum);
   }
 }
 
@@ -107,9 +126,13 @@ at::Tensor int4_mm_on(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   int8_t* qp = xq.data_ptr<int8_t>();
   float* dp = xd.data_ptr<float>();
   float* sp = xs.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m)
-      quantize_row(xp + m * cols, cols, n, qp + m * n, dp + m * groups, sp + m * groups);
+  const int64_t blocks = groups / kBlock;
+  at::parallel_for(0, rows * blocks, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / blocks, b = i % blocks;
+      quantize_block(xp + m * cols, cols, b, qp + m * n + b * kBlock * kGroup, dp + m * groups,
+                     sp + m * groups);
+    }
   });
   const uint8_t* wq = qc.data_ptr<uint8_t>();
   const uint16_t* wso = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
