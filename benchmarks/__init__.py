@@ -3,7 +3,41 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 from pathlib import Path
+
+CPU_FEATURES = (
+    "avx2",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_int8",
+    "amx_bf16",
+)  # (as Linux names them)
+
+
+def machine() -> str:
+    """The machine a result was measured on: architecture, cores, and on Linux the CPU's model
+    name and which of CPU_FEATURES it has (the engine's kernels differ by them)."""
+    label = f"{platform.machine()}, {os.cpu_count()} cores"
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return label
+    name = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in info.splitlines()
+            if line.startswith("model name")
+        ),
+        "",
+    )
+    flags = next(
+        (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")),
+        [],
+    )
+    have = [f for f in CPU_FEATURES if f in flags]
+    return f"{label}, {name} ({' '.join(have)})" if name else label
 
 
 def write_results(report: dict, out: str, name: str, shown: dict | None = None) -> Path:

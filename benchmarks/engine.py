@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,8 @@ from specserve.plan import measure_this_machine
 from specserve.verifier.runner import ModelRunner
 from specserve.verifier.sampling import SamplingParams
 from specserve.verifier.sequence import Committed, Sequence
+
+from . import machine
 
 PARTS = ("decode", "tiny", "tree", "ttft", "batch")
 ASKED_ONLY = ("compile",)  # not in the default --parts
@@ -453,7 +454,7 @@ def main() -> None:
         "compile": args.compile,
         "torch": torch.__version__,
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores" + device_name(args.device),
+        "machine": machine() + device_name(args.device),
         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "seconds": round(time.monotonic() - started),
         "results": results,

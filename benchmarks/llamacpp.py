@@ -31,7 +31,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from specserve.common.settings import ModelRef, ServiceSettings
 from specserve.local_cluster import LocalCluster, free_port, without_security
 from specserve.v1 import common_pb2, generation_pb2_grpc
 
+from . import machine
 from .engine import git_commit
 from .prompts import PROMPTS
 from .spec_bench import cluster_config
@@ -255,7 +255,7 @@ def main() -> None:
         "command": "python -m benchmarks.llamacpp " + " ".join(sys.argv[1:]),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "git_commit": git_commit(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
         "llama_cpp": f"{PACKAGE} {VERSION} ({' '.join(CMAKE_FLAGS)})",
         "gguf": {"target": target.name, "draft": draft.name},
         "tokens": args.tokens,
