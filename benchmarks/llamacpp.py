@@ -195,10 +195,9 @@ def run_llamacpp(args, target: Path, draft: Path, server: Path) -> dict[str, dic
         port = free_port()
         cmd = [str(server), "-m", str(target), "--port", str(port), "-t", str(args.threads)]
         cmd += ["-tb", str(args.threads), "-c", "4096", "--no-webui", *extra]
-        with open(HOME / "llama-server.log", "w") as log:  # (the last server's)
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc, fallback = serve(cmd, port)
+        label += f" ({' '.join(fallback)})" if fallback else ""
         try:
-            wait_ready(port, proc)
             completion(port, templated(WARM_UP[0]), WARM_UP[1])
             results[label] = {}
             for kind in args.kinds:
@@ -210,20 +209,35 @@ def run_llamacpp(args, target: Path, draft: Path, server: Path) -> dict[str, dic
     return results
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+def serve(cmd: list[str], port: int) -> tuple[subprocess.Popen, list[str]]:
+    """llama-server started and ready, and the flags added to `cmd` for it to start. One that
+    dies of a signal at start is started again with --no-repack (the weights as the GGUF holds
+    them): on a Xeon with AMX this build's repacked weights segfaulted as its threads started."""
+    for fallback in ([], ["--no-repack"]):
+        with open(HOME / "llama-server.log", "w") as log:  # (the last server's)
+            proc = subprocess.Popen([*cmd, *fallback], stdout=log, stderr=subprocess.STDOUT)
+        if wait_ready(port, proc):
+            return proc, fallback
+        print(f"llama-server {' '.join(fallback)} exited ({proc.returncode})", flush=True)
+        if proc.returncode >= 0:
+            break
+    raise SystemExit(f"llama-server exited ({proc.returncode}): see {HOME}/llama-server.log")
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> bool:
+    """True once the server answers /health; False if it exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(
-                f"llama-server exited ({proc.returncode}): see {HOME}/llama-server.log"
-            )
+            return False
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
-                    return
+                    return True
         except OSError:
             pass
         time.sleep(0.5)
+    proc.kill()
     raise SystemExit(f"llama-server not ready after {timeout} s")
 
 
