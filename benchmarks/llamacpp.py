@@ -66,12 +66,31 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DGGML_NATIVE=ON",  # this CPU's instruction sets, as a local build would
 ]
+# On a CPU with AMX, the native build's AMX matrix kernel segfaulted in the server's first
+# forward (ggml_backend_amx_mul_mat, 11434.0.0, a 2-core Xeon): there the build names every
+# other instruction set of the CPU instead, so llama.cpp keeps its repacked AVX-512 kernels.
+NO_AMX_FLAGS = [
+    *CMAKE_FLAGS[:-1],
+    "-DGGML_NATIVE=OFF",
+    *(f"-DGGML_{o}=ON" for o in ("AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512")),
+    *(f"-DGGML_AVX512_{o}=ON" for o in ("VBMI", "VNNI", "BF16")),
+]
+
+
+def cmake_flags() -> tuple[list[str], str]:
+    """The build's cmake flags for this CPU, and the name of its build directory."""
+    try:
+        amx = "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        amx = False
+    return (NO_AMX_FLAGS, "build-no-amx") if amx else (CMAKE_FLAGS, "build")
 
 
 def llama_server(version: str = VERSION) -> Path:
     """The llama-server binary of `version`, downloaded and built on first use."""
     root = HOME / version
-    binary = root / "build" / "bin" / "llama-server"
+    flags, build_dir = cmake_flags()
+    binary = root / build_dir / "bin" / "llama-server"
     if binary.is_file():
         return binary
     src = root / "src"
@@ -92,10 +111,10 @@ def llama_server(version: str = VERSION) -> Path:
             shutil.rmtree(src, ignore_errors=True)
             src.parent.mkdir(parents=True, exist_ok=True)
             os.replace(Path(tmp) / archive.name.removesuffix(".tar.gz"), src)
-    build = root / "build"
+    build = root / build_dir
     build.mkdir(exist_ok=True)
     print(f"building llama-server {version} (cmake --build -j2, about 15 min)", flush=True)
-    subprocess.run(["cmake", str(src / "llama.cpp"), *CMAKE_FLAGS], cwd=build, check=True)
+    subprocess.run(["cmake", str(src / "llama.cpp"), *flags], cwd=build, check=True)
     subprocess.run(
         ["cmake", "--build", ".", "--config", "Release", "-j2", "--target", "llama-server"],
         cwd=build,
@@ -270,7 +289,7 @@ def main() -> None:
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "git_commit": git_commit(),
         "machine": machine(),
-        "llama_cpp": f"{PACKAGE} {VERSION} ({' '.join(CMAKE_FLAGS)})",
+        "llama_cpp": f"{PACKAGE} {VERSION} ({' '.join(cmake_flags()[0])})",
         "gguf": {"target": target.name, "draft": draft.name},
         "tokens": args.tokens,
         "results": results,
