@@ -7,6 +7,7 @@ import random
 import pytest
 
 from specserve.verifier.policy import (
+    EXPLORE_ALPHA,
     PROBE_EVERY,
     AdaptivePolicy,
     Candidate,
@@ -14,6 +15,7 @@ from specserve.verifier.policy import (
     CostModel,
     expected_tokens,
 )
+from specserve.verifier.speculator import EXPLORE_TOKENS, EXPLORE_TREES, explored
 
 
 def policy_with(a, b, c, d, max_budget=8) -> AdaptivePolicy:
@@ -270,3 +272,24 @@ def test_a_prompt_chunk_in_the_step_does_not_make_drafts_look_cheap():
     assert policy.budgets(poor, 0) == [0, 0, 0, 0]
     assert policy.budgets(poor, 512) == [0, 0, 0, 0]
     assert policy.budgets([Candidate(8, 0.8)], 512) == policy.budgets([Candidate(8, 0.8)], 0)
+
+
+def test_exploring_model_free_trees_ends_after_a_few_however_few_tokens_they_tested():
+    """A suffix match the target rejects at its first token tests one token: priced at
+    EXPLORE_ALPHA until EXPLORE_TOKENS were tested, a rarely matching tree on prose was asked
+    for every step of a whole answer. After EXPLORE_TREES trees the sequence is priced at
+    what it measured, and such a tree is no longer asked for."""
+    policy = AdaptivePolicy(8)
+    policy.cost.calibrate(INT4_PROFILE)
+    policy.steps = 1
+    rate = 1 / 0.058
+
+    def deep_budget(trees: int) -> int:  # each tree rejected at its first token
+        alpha = explored(policy.alpha(0, trees, free=True), trees, trees)
+        return policy.deep_budgets([Candidate(64, alpha, hit=0.2)], rate, [1], [0.002])[0]
+
+    assert EXPLORE_TREES < EXPLORE_TOKENS
+    assert deep_budget(EXPLORE_TREES - 1) > 0
+    assert deep_budget(EXPLORE_TREES) == 0
+    # a draft model's trees (no count of trees given) explore until EXPLORE_TOKENS, as before
+    assert explored(0.1, EXPLORE_TOKENS - 1) == EXPLORE_ALPHA

@@ -61,6 +61,7 @@ class Sequence:
     # accepted and tested (uncapped by the finish) split by kind of tree, for the policy:
     free_accepted: int = 0  # model-free trees (suffix, n-gram)
     free_tested: int = 0
+    free_trees: int = 0  # model-free trees checked
     drawn_accepted: int = 0  # draft-model trees
     drawn_tested: int = 0
     drawn_once: bool = False  # a draft model grew it a tree (it took in its context)
