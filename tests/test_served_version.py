@@ -16,6 +16,7 @@ from specserve.common import models
 from specserve.common.rollout import CANARY, STABLE
 from specserve.common.settings import ModelRef, VerifierSettings
 from specserve.common.store import RequestStore, result_key
+from specserve.engine import kernels
 from specserve.gateway.server import result_cache_key, serving_versions
 from specserve.v1 import generation_pb2, scheduler_pb2
 from specserve.verifier.server import Served
@@ -45,6 +46,22 @@ def test_two_dtypes_are_two_versions_with_two_cache_keys(tiny_model_dir):
     )
     assert on_gpu == versions["float32"].removesuffix(":cpu") + ":cuda"
     assert served(tiny_model_dir, port=1, batch_size=2).version == versions["float32"]
+
+
+def test_int4_on_torchs_kernel_is_a_version_of_its_own(tiny_model_dir, monkeypatch):
+    """The engine's int4 kernel and torch's round differently: two versions."""
+    if not kernels.cpu_supported():
+        pytest.skip("the engine's int4 kernel is for x86 CPUs with AVX2")
+    ref = ModelRef(path=str(tiny_model_dir))
+    ours = models.served_version(ref, "0" * 64, dtype="int4", device="cpu")
+    monkeypatch.setenv("SPECSERVE_INT4_KERNEL", "torch")
+    torchs = models.served_version(ref, "0" * 64, dtype="int4", device="cpu")
+    assert (
+        ours.endswith(":int4:cpu") and torchs == ours.removesuffix(":int4:cpu") + ":int4-torch:cpu"
+    )
+    assert models.served_version(ref, "0" * 64, dtype="int4", device="cuda") == torchs.replace(
+        ":int4-torch:cpu", ":int4:cuda"
+    )
 
 
 def test_the_versions_looked_up_are_those_of_the_pool_a_request_goes_to():

@@ -319,9 +319,19 @@ def served_version(ref: ModelRef, sha256: str, *, dtype: str, device: str) -> st
     dtype the weights run in and the kind of device (its kernels round differently; cuda:0
     and cuda:1 are both `cuda`), e.g.
     `qwen2.5-coder-1.5b-instruct@0.2.0:cc324af070c2:bfloat16:cpu`. Equal strings mean
-    identical greedy outputs (in float32; see README on bfloat16)."""
+    identical greedy outputs (in float32; see README on bfloat16). int4 on a CPU where the
+    engine's kernel does not run (engine/quant.py: int4_layout) is `int4-torch`: torch's
+    kernel rounds differently."""
     name = Path(ref.path).name if ref.path else f"{ref.name}@{ref.version}"
-    return f"{name}:{sha256[:12]}:{dtype}:{device.partition(':')[0]}"
+    kind = device.partition(":")[0]
+    if dtype == "int4" and kind == "cpu":
+        import torch
+
+        from ..engine import quant
+
+        if quant.int4_layout(torch.device("cpu")) == "torch":
+            dtype = "int4-torch"
+    return f"{name}:{sha256[:12]}:{dtype}:{kind}"
 
 
 def torch_dtype(name: str):
