@@ -25,6 +25,7 @@ from .attention import attend, write_kv
 from .batch import Batch, Segment, Step, place
 from .compiler import CompileFailed, Compiler
 from .gemm import column_major_head
+from .hugepages import to_huge_pages
 from .kv_cache import BLOCK_SIZE, KVPool, OutOfBlocks, SequenceKV
 from .layers import DecoderLayer, RotaryTable, rms_norm
 from .tensor_parallel import Shards, ShardsLost
@@ -95,6 +96,10 @@ class FlatModel:
         ]
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        if self.device.type == "cpu":
+            modules = [*hf_model.modules(), *(m for layer in self.layers for m in layer.modules())]
+            if moved := to_huge_pages(modules):
+                log.info("quantised weights on huge pages", extra={"bytes": moved})
         self.rotary = RotaryTable(self.body.rotary_emb, self.dtype, self.device)
         self.shards = shards
         if shards is not None:
