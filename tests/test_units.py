@@ -259,6 +259,35 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
     assert budgets(True, 0.002, **adaptive, deep_tree_size=64) != cheap  # (measured: poor)
 
 
+def test_a_model_free_tree_explores_shallow_and_goes_deep_once_measured():
+    """While a sequence's model-free trees are measured (EXPLORE_TREES of them), each is at
+    most EXPLORE_DEPTH nodes: a rejection ends a tree at any depth, so a deep one tested no
+    better and cost a 7-node pass each time; measured good, they go as deep as they pay."""
+    from types import SimpleNamespace
+
+    from helpers import make_sequence
+    from specserve.common.settings import VerifierSettings
+    from specserve.verifier.speculator import EXPLORE_DEPTH, EXPLORE_TREES, Speculator
+
+    speculator = Speculator(
+        VerifierSettings.load(
+            None, speculative_decoding=True, discover_drafters=False, deep_tree_size=64
+        ),
+        vocab_size=1000,
+    )
+    policy = speculator.policy
+    policy.steps = 1
+    policy.cost.coef.a, policy.cost.coef.b = 0.05, 0.002
+    policy.cost.per_token_known = True
+    seq = make_sequence([5, 6, 7], output=[8], max_tokens=500)
+    seq.kv = SimpleNamespace(length=3)
+    seq.drawn_tested, seq.drawn_accepted = 100, 0  # (no draft-model trees: they never pass)
+    ((_, exploring_deep),) = speculator.budgets([seq])
+    seq.free_trees, seq.free_tested, seq.free_accepted = EXPLORE_TREES, 30, 29
+    ((_, measured_deep),) = speculator.budgets([seq])
+    assert 0 < exploring_deep <= EXPLORE_DEPTH < measured_deep
+
+
 def test_a_pinned_tree_size_stays_within_the_operators_largest_tree():
     """A request may pin speculation.tree_size (up to 256 at the gateway); the verifier grows
     no tree past the larger of verification_tree_size and deep_tree_size for it, so one

@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 
 EXPLORE_TOKENS = 8  # draft tokens of a kind checked before a sequence's own rate is trusted
 EXPLORE_TREES = 3  # ... or model-free trees checked
+# Nodes of a model-free tree while it explores: three trees of 7 nodes (what an acceptance of
+# 0.8 pays for) took 107 ms a step against 50 for one token on this CPU, and a 14-token answer
+# whose matches the target all rejected ran at 0.73x plain; a tree of 3 tests acceptance as
+# well (a rejection ends it at any depth), and a copying sequence goes deep once measured.
+EXPLORE_DEPTH = 3
 # Tokens a draft model's catch-up is charged over (AdaptivePolicy.budgets), at most: the catch-up
 # comes before a sequence's first draft-model tree, while it explores (priced at EXPLORE_ALPHA),
 # and is only known to buy that exploration (about this many tokens emitted while EXPLORE_TOKENS
@@ -41,15 +46,20 @@ CALIBRATE_COUNTS = (*range(1, 10), 13, 17, 25, 33, 49, 65)
 CALIBRATE_MAX = 65
 
 
-def explored(alpha: float, tested: int, trees: int = 0) -> float:
-    """A sequence's acceptance as the policy prices it: at least EXPLORE_ALPHA until
-    EXPLORE_TOKENS of its drafts (of the kind) were checked, or for model-free trees (`trees`
-    given) EXPLORE_TREES of them. A suffix match that the target rejects at its first token is
-    one token checked; on prose such matches came a few in a hundred steps, so exploring until
-    8 tokens lasted the whole answer, every step asking the drafter (a round trip, ~2 ms here)
+def exploring(tested: int, trees: int | None = None) -> bool:
+    """Whether a sequence's drafts of a kind are still being measured: fewer than
+    EXPLORE_TOKENS of them checked, or for model-free trees (`trees` given) fewer than
+    EXPLORE_TREES trees. A suffix match that the target rejects at its first token is one
+    token checked; on prose such matches came a few in a hundred steps, so exploring until 8
+    tokens lasted the whole answer, every step asking the drafter (a round trip, ~2 ms here)
     at the optimistic price, and the default config ran at 0.94x plain."""
-    exploring = tested < EXPLORE_TOKENS and trees < EXPLORE_TREES
-    return max(alpha, EXPLORE_ALPHA) if exploring else alpha
+    return tested < EXPLORE_TOKENS and (trees is None or trees < EXPLORE_TREES)
+
+
+def explored(alpha: float, tested: int, trees: int | None = None) -> float:
+    """A sequence's acceptance as the policy prices it: at least EXPLORE_ALPHA while
+    `exploring`."""
+    return max(alpha, EXPLORE_ALPHA) if exploring(tested, trees) else alpha
 
 
 class Speculator:
@@ -142,7 +152,9 @@ class Speculator:
         ks = policy.budgets(model, other_tokens)
         free = [
             Candidate(
-                cap,
+                cap
+                if pin or not exploring(s.free_tested, s.free_trees)
+                else min(cap, EXPLORE_DEPTH),
                 explored(
                     policy.alpha(s.free_accepted, s.free_tested, True), s.free_tested, s.free_trees
                 ),
