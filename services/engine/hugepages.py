@@ -67,9 +67,10 @@ def to_huge_pages(modules: list[nn.Module]) -> int:
     total = sum(-(-s.nbytes() // ALIGN) * ALIGN for s in storages.values())
     if not total or not available():
         return 0
-    raw = torch.empty(total + PAGE, dtype=torch.uint8)
+    pages = -(-total // PAGE) * PAGE  # (whole pages, all inside the allocation)
+    raw = torch.empty(pages + PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % PAGE
-    if not _advise(raw.data_ptr() + start, -(-total // PAGE) * PAGE):
+    if not _advise(raw.data_ptr() + start, pages):
         log.info("huge pages refused (madvise failed): quantised weights stay on small pages")
         return 0
     arena = raw.untyped_storage()
