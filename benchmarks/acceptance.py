@@ -186,9 +186,12 @@ def make_proposer(name: str, dtype: str, device: str):
     if name == "prompt_lookup":
         return PromptLookup()
     if name == "arctic":
-        from .arctic import ArcticSuffix
+        from .arctic import ArcticSuffix, ArcticUnavailable
 
-        return ArcticSuffix()
+        try:
+            return ArcticSuffix()
+        except ArcticUnavailable as e:
+            raise SystemExit(f"--proposers arctic: {e}; or leave arctic out") from e
     from specserve.drafter import draft_model
     from specserve.drafter.hybrid import HybridProposer
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -68,14 +69,18 @@ def build() -> Path:
         src = _fetch_sdist(Path(tmp))
         deps = HOME / "nanobind"
         run = [sys.executable, "-m", "pip", "install", "-q", "--target", str(deps), NANOBIND]
-        subprocess.run(run, check=True)
+        if subprocess.run(run).returncode:
+            raise ArcticUnavailable(f"pip could not install {NANOBIND} (needs PyPI)")
         build_dir = Path(tmp) / "build"
-        env = {"PYTHONPATH": str(deps)}
+        env = {**os.environ, "PYTHONPATH": str(deps)}  # (cmake asks nanobind where it is)
         print(f"building {PACKAGE} {VERSION}'s suffix tree (cmake, -j2)", flush=True)
         cmake = ["cmake", str(src / "csrc" / "suffix_decoding"), "-B", str(build_dir)]
         cmake += [f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release"]
-        subprocess.run(cmake, check=True, env=_with(env))
-        subprocess.run(["cmake", "--build", str(build_dir), "-j2"], check=True, env=_with(env))
+        try:
+            subprocess.run(cmake, check=True, env=env)
+            subprocess.run(["cmake", "--build", str(build_dir), "-j2"], check=True, env=env)
+        except subprocess.CalledProcessError as e:
+            raise ArcticUnavailable(f"building Arctic's suffix tree failed (above): {e}") from e
         shutil.rmtree(package.parent, ignore_errors=True)
         package.mkdir(parents=True)
         (package.parent / "__init__.py").write_text("")  # (not the wheel's: it imports vLLM)
@@ -84,12 +89,6 @@ def build() -> Path:
         for built in build_dir.glob("_C*.so"):
             shutil.copy(built, package / built.name)
     return HOME / "python"
-
-
-def _with(extra: dict[str, str]) -> dict[str, str]:
-    import os
-
-    return {**os.environ, **extra}
 
 
 def suffix_cache_class():
