@@ -7,13 +7,7 @@ import os
 import platform
 from pathlib import Path
 
-CPU_FEATURES = (
-    "avx2",
-    "avx512_vnni",
-    "avx512_bf16",
-    "amx_int8",
-    "amx_bf16",
-)  # (as Linux names them)
+CPU_FEATURES = ("avx2", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")  # Linux's names
 
 
 def machine() -> str:
@@ -21,23 +15,16 @@ def machine() -> str:
     name and which of CPU_FEATURES it has (the engine's kernels differ by them)."""
     label = f"{platform.machine()}, {os.cpu_count()} cores"
     try:
-        info = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return label
-    name = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in info.splitlines()
-            if line.startswith("model name")
-        ),
-        "",
-    )
-    flags = next(
-        (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")),
-        [],
-    )
-    have = [f for f in CPU_FEATURES if f in flags]
-    return f"{label}, {name} ({' '.join(have)})" if name else label
+
+    def field(key: str) -> str:
+        return next((li.split(":", 1)[1].strip() for li in lines if li.startswith(key)), "")
+
+    name, flags = field("model name"), field("flags").split()
+    have = " ".join(f for f in CPU_FEATURES if f in flags)
+    return f"{label}, {name} ({have})" if name else label
 
 
 def write_results(report: dict, out: str, name: str, shown: dict | None = None) -> Path:
