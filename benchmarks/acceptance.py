@@ -2,11 +2,14 @@
 own greedy output: cheap, and the same on any hardware.
 
     python -m benchmarks.acceptance [--per-category 2] [--tokens 128] [--dtype auto]
+                                    [--workload spec_bench,code_edit,agentic]
                                     [--proposers suffix,ngram,prompt_lookup,chain,tree,hybrid]
                                     [--out benchmarks/results]
 
-Spec-Bench's questions (`shared/workloads/spec_bench/question.jsonl`, 13 categories): the
-first --per-category of each, their first turn as a chat with the default target's template.
+The workloads (benchmarks/workloads.py; default Spec-Bench's 13 categories, the standard
+library's code edits, 3 categories, and the agentic tool calls): the first --per-category of
+each category, their first turn (and system message) as a chat with the default target's
+template.
 The target's greedy output (--tokens tokens, or to its end) is generated once per question
 through the engine and cached by the served version (weights, dtype, device) under
 <model cache>/bench/acceptance/. Each proposer then replays every output step by step as the
@@ -36,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -44,26 +46,12 @@ from pathlib import Path
 import torch
 import yaml
 
-WORKLOAD = Path(__file__).resolve().parents[2] / "shared/workloads/spec_bench/question.jsonl"
+from . import workloads
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config/specserve.yaml"
 PROPOSERS = ("suffix", "arctic", "ngram", "prompt_lookup", "chain", "tree", "hybrid")
+WORKLOAD = "spec_bench,code_edit,agentic"
 MODEL_BUDGET, DEEP_BUDGET = 6, 64  # config/specserve.yaml's tree sizes
-
-
-def questions(path: Path, per_category: int) -> list[dict]:
-    if not path.exists():
-        sys.exit(
-            f"no Spec-Bench questions at {path}: put hemingkx/Spec-Bench's "
-            "data/spec_bench/question.jsonl there (or pass --workload)"
-        )
-    taken: dict[str, int] = defaultdict(int)
-    chosen = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if taken[row["category"]] < per_category:
-            taken[row["category"]] += 1
-            chosen.append(row)
-    return chosen
 
 
 # --- the target's outputs -----------------------------------------------------------------
@@ -85,7 +73,7 @@ def target_outputs(rows: list[dict], tokens: int, dtype: str, device: str) -> tu
     pairs = []
     for row in rows:
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["turns"][0]}],
+            workloads.messages(row),
             add_generation_prompt=True,
             tokenize=False,
         )
@@ -242,7 +230,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--proposers", default=",".join(PROPOSERS))
-    p.add_argument("--workload", type=Path, default=WORKLOAD)
+    p.add_argument(
+        "--workload",
+        default=WORKLOAD,
+        help=f"comma-separated: {', '.join(workloads.NAMES)}, or .jsonl paths (see workloads.py)",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -250,7 +242,7 @@ def main() -> None:
     unknown = set(names) - set(PROPOSERS)
     if unknown:
         p.error(f"unknown proposers {sorted(unknown)}; choose from {', '.join(PROPOSERS)}")
-    rows = questions(args.workload, args.per_category)
+    rows = workloads.rows(args.workload, args.per_category)
     pairs, version = target_outputs(rows, args.tokens, args.dtype, args.device)
     results: dict[str, dict] = {}
     for name in names:

@@ -2,20 +2,21 @@
 concurrencies, decode rate and accepted length per category.
 
     python -m benchmarks.spec_bench [--per-category 1] [--tokens 96] [--concurrency 1,4,16]
-                                    [--dtype auto] [--out benchmarks/results]
+                                    [--dtype auto] [--workload spec_bench] [--out DIR]
 
-For each concurrency its own --per-category questions of each of Spec-Bench's 13 categories
-(`shared/workloads/spec_bench/question.jsonl`, in file order), first turn, greedy, through
-one cluster of config/specserve.yaml's verifier and drafter sections (less their ports;
---dtype for target and drafter; the verifier's batch_size the largest concurrency; its prefix
-cache off, since each prompt is sent once per mode). Speculation off is the same
-cluster with each request's `speculation.mode = OFF`, and on and off alternate group by group,
-on first (see `run`): a machine whose speed drifts by 10% between minutes (this one) moves
-both alike, and no stream with speculation on comes after its own prompt's plain answer
-(which the drafter learns, as it learns every completed output of the tenant). Each stream is
-timed as benchmarks.speculative times one (token arrivals at the client): decode tokens/s =
-tokens after the first / time from the first to the last; per category the mean over its
-streams, and per concurrency the tokens of all streams over the time their groups took.
+For each concurrency its own --per-category questions of each category of the workloads
+(benchmarks/workloads.py: Spec-Bench's 13 by default; code_edit, agentic), first turn and
+system message, greedy, through one cluster of config/specserve.yaml's verifier and drafter
+sections (less their ports; --dtype for target and drafter; the verifier's batch_size the
+largest concurrency; its prefix cache off, since each prompt is sent once per mode).
+Speculation off is the same cluster with each request's `speculation.mode = OFF`, and on and
+off alternate group by group, on first (see `run`): a machine whose speed drifts by 10% between
+minutes (this one) moves both alike, and no stream with speculation on comes after its own
+prompt's plain answer (which the drafter learns, as it learns every completed output of the
+tenant). Each stream is timed as benchmarks.speculative times one (token arrivals at the
+client): decode tokens/s = tokens after the first / time from the first to the last; per
+category the mean over its streams, and per concurrency the tokens of all streams over the time
+their groups took.
 Writes <out>/spec_bench.json and <out>/spec_bench.png.
 """
 
@@ -36,7 +37,7 @@ import yaml
 from specserve.local_cluster import LocalCluster, without_security
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-from .acceptance import WORKLOAD, questions
+from . import workloads
 from .speculative import timing
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config/specserve.yaml"
@@ -48,11 +49,16 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config/specserve.yaml"
 MODES = {"on": common_pb2.SPECULATION_MODE_AUTO, "off": common_pb2.SPECULATION_MODE_OFF}
 
 
-def stream(stub, prompt: str, tokens: int, mode: int = common_pb2.SPECULATION_MODE_AUTO) -> dict:
+def stream(
+    stub, prompt: str | dict, tokens: int, mode: int = common_pb2.SPECULATION_MODE_AUTO
+) -> dict:
+    """One greedy stream of a user message, or of a workload row (benchmarks.workloads)."""
+    row = {"turns": [prompt]} if isinstance(prompt, str) else prompt
     req = generation_pb2.GenerateRequest(
         max_tokens=tokens, speculation=common_pb2.SpeculationOptions(mode=mode)
     )
-    req.messages.messages.add(role="user", content=prompt)
+    for message in workloads.messages(row):
+        req.messages.messages.add(**message)
     arrivals, final, count = [], None, 0
     started = time.perf_counter()
     for chunk in stub.Generate(req, timeout=3600):
@@ -125,7 +131,7 @@ def run(rows: list[dict], args) -> dict:
                             started = time.perf_counter()
                             with cf.ThreadPoolExecutor(len(group)) as pool:
                                 results[mode] += pool.map(
-                                    lambda r, v=value: stream(stub, r["turns"][0], args.tokens, v),
+                                    lambda r, v=value: stream(stub, r, args.tokens, v),
                                     group,
                                 )
                             walls[mode] += time.perf_counter() - started
@@ -169,11 +175,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--dtype", default="auto", help="target and drafter")
-    p.add_argument("--workload", type=Path, default=WORKLOAD)
+    p.add_argument(
+        "--workload",
+        default="spec_bench",
+        help=f"comma-separated: {', '.join(workloads.NAMES)}, or .jsonl paths (see workloads.py)",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     levels = len(args.concurrency.split(","))
-    rows = questions(args.workload, args.per_category * levels)
+    rows = workloads.rows(args.workload, args.per_category * levels)
     modes = run(rows, args)
     for c, on in modes["on"].items():
         off = modes["off"][c]

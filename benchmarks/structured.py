@@ -36,7 +36,7 @@ import grpc
 from specserve.local_cluster import LocalCluster, without_security
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-from .acceptance import WORKLOAD
+from . import workloads
 from .spec_bench import cluster_config
 from .speculative import timing
 
@@ -109,7 +109,7 @@ MODES = {  # name: (grammar, speculation, verifier config)
 
 
 def prompts(extraction: int, tools: int) -> list[dict]:
-    rows = [json.loads(line) for line in WORKLOAD.read_text().splitlines()]
+    rows = workloads.rows("spec_bench", extraction)
     asked = [r for r in rows if r["category"] == "extraction"][:extraction]
     schema = json.dumps(EXTRACTION_SCHEMA)
     out = [

@@ -1,0 +1,57 @@
+"""The benchmarks' workloads (benchmarks/workloads.py): the standard library's code edits are
+real functions with the edit asked, the same on every run; workloads combine by name; a
+missing file or an unknown name is a clear exit, not a traceback."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections import Counter
+
+import pytest
+
+from benchmarks import workloads
+
+
+def test_code_edits_are_stdlib_functions_each_with_one_edit():
+    edits = workloads.code_edits()
+    assert edits == workloads.code_edits()  # (the same rows every time)
+    assert set(Counter(r["category"] for r in edits)) == set(workloads.EDITS)
+    assert min(Counter(r["category"] for r in edits).values()) >= 5
+    assert len({r["question_id"] for r in edits}) == len(edits)
+    for row in edits:
+        kind, _, where = row["question_id"].partition("-")
+        module, _, name = where.rpartition(".")
+        source = inspect.getsource(getattr(importlib.import_module(module), name))
+        prompt = row["turns"][0]
+        assert row["category"] == kind and f"```python\n{source}```" in prompt
+        assert workloads.MIN_LINES <= source.count("\n") <= workloads.MAX_LINES
+        if kind == "edit_rename":
+            param = prompt.split("`")[1]
+            assert (
+                param
+                in inspect.signature(getattr(importlib.import_module(module), name)).parameters
+            )
+            assert f"`{param}_value`" in prompt
+
+
+def test_workloads_combine_by_name_first_rows_of_each_category():
+    rows = workloads.rows("code_edit,agentic", 2)
+    assert Counter(r["category"] for r in rows) == dict.fromkeys([*workloads.EDITS, "agentic"], 2)
+    agentic = [r for r in rows if r["category"] == "agentic"]
+    assert all(r["system"] == agentic[0]["system"] for r in agentic)  # (one tool schema)
+    messages = workloads.messages(agentic[0])
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert [m["role"] for m in workloads.messages(rows[0])] == ["user"]
+
+
+def test_a_missing_file_or_unknown_name_says_what_to_pass(tmp_path):
+    with pytest.raises(SystemExit, match="unknown workload 'prose'.*spec_bench, code_edit"):
+        workloads.rows("prose", 1)
+    with pytest.raises(SystemExit, match="no workload file at .*absent.jsonl"):
+        workloads.rows(str(tmp_path / "absent.jsonl"), 1)
+    (tmp_path / "mine.jsonl").write_text(
+        '{"question_id": 1, "category": "a", "turns": ["hi"]}\n'
+        '{"question_id": 2, "category": "a", "turns": ["yo"]}\n'
+    )
+    assert [r["question_id"] for r in workloads.rows(str(tmp_path / "mine.jsonl"), 1)] == [1]
