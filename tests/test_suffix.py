@@ -59,6 +59,17 @@ def test_depth_follows_the_match_length():
     assert len(tree) == 0  # the model-free budget is deep_budget
 
 
+def test_one_token_seen_before_is_a_match_by_default():
+    """A single earlier occurrence of the last token drafts what followed it, as deep as the
+    match allows (depth_factor x 1); `min_match: 2` asks for two matched tokens. On the
+    acceptance replay one token more than paid for its shallow trees (benchmarks/README)."""
+    history = [5, 10, 11, 12, 7, 5]
+    tree, score = SuffixProposer().propose_one(DraftJob("a", history, 64))
+    assert tree.token_ids == [10, 11] and score == 2.0
+    tree, _ = SuffixProposer(min_match=2).propose_one(DraftJob("b", history, 64))
+    assert len(tree) == 0
+
+
 def test_a_tenants_outputs_shape_only_its_own_drafts():
     prop = SuffixProposer(SharedOutputs(tokens_per_tenant=1000, tenants=8))
     answer = [40, 41, 42, 43, 44, 45, 46, 47]

@@ -573,7 +573,10 @@ class DrafterSettings(ServiceSettings):
         default=2.0, gt=0, description="Suffix draft depth per matched token (then max_depth)."
     )
     suffix_min_match: int = Field(
-        default=2, ge=1, description="Shortest matched suffix the suffix tree drafts from."
+        default=1,
+        ge=1,
+        description="Shortest matched suffix the suffix tree drafts from (1: any token seen "
+        "before; its children are still cut by suffix_min_token_prob).",
     )
     suffix_min_token_prob: float = Field(
         default=0.1,

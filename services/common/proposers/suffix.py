@@ -215,7 +215,7 @@ class SuffixProposer(Proposer):
         max_depth: int = 64,
         max_match: int = 32,
         depth_factor: float = 2.0,
-        min_match: int = 2,
+        min_match: int = 1,
         min_token_prob: float = 0.1,
         max_candidates: int = 64,
     ):
