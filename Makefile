@@ -104,11 +104,13 @@ bench-learn: setup
 		--only "chain 6" "ngram 10" suffix default prompt_lookup
 	$(PY) -m benchmarks.agentic --dtype $(BENCH_DTYPE) --device $(BENCH_DEVICE)
 
-# Spec-Bench (../shared/workloads): the default config (dtype auto) with speculation on and off
+# Spec-Bench (../shared/workloads), the standard library's code edits and the agentic tool
+# calls (benchmarks/workloads.py): the default config (dtype auto) with speculation on and off
 # through the cluster at concurrency 1, 4 and 16; then each proposer's tokens per step replayed
 # against the target's cached greedy output (README "The default config on this CPU").
 bench-spec: setup
-	$(PY) -m benchmarks.spec_bench --per-category 1 --tokens 96 --concurrency 1,4,16
+	$(PY) -m benchmarks.spec_bench --per-category 1 --tokens 96 --concurrency 1,4,16 \
+		--workload spec_bench,code_edit,agentic
 	$(PY) -m benchmarks.acceptance --per-category 2 --tokens 128
 
 # The default config against llama.cpp (built here once from PyPI's sdist) on the same GGUF.
