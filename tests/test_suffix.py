@@ -35,14 +35,15 @@ def test_trees_branch_by_frequency_and_score_their_expected_acceptance():
         index.add_document([5, 6, *continuation])
     match, ends = index.occurrences([7, 5, 6], 32, 64)
     assert match == 2 and len(ends) == 4
-    tree, score = index.grow(ends, depth=8, budget=16, min_token_prob=0.1)
+    tree, score = index.grow(ends, depth=8, budget=16, min_token_prob=0.1, match=2)
     assert paths(tree) == {(10, 11), (10, 12), (20, 21)}
     assert tree.token_ids[0] == 10  # the most frequent first
-    # 10: 3/4, 10 11: 2/4, 10 12: 1/4, 20: 1/4, 20 21: 1/4
-    assert abs(score - (0.75 + 0.5 + 0.25 + 0.25 + 0.25)) < 1e-9
-    small, _ = index.grow(ends, depth=8, budget=2, min_token_prob=0.1)
+    # 10: 3/4, 10 11: 2/4, 10 12: 1/4, 20: 1/4, 20 21: 1/4; after a match of 2, a first token
+    # counts 2/3 of its share, a second 2/4
+    assert abs(score - ((0.75 + 0.25) * 2 / 3 + (0.5 + 0.25 + 0.25) * 2 / 4)) < 1e-9
+    small, _ = index.grow(ends, depth=8, budget=2, min_token_prob=0.1, match=2)
     assert small.token_ids == [10, 11]  # best-first: the likeliest nodes within the budget
-    rare, _ = index.grow(ends, depth=8, budget=16, min_token_prob=0.4)
+    rare, _ = index.grow(ends, depth=8, budget=16, min_token_prob=0.4, match=2)
     assert paths(rare) == {(10, 11)}  # children below 0.4 of their parent's matches are cut
 
 
@@ -65,7 +66,7 @@ def test_one_token_seen_before_is_a_match_by_default():
     acceptance replay one token more than paid for its shallow trees (benchmarks/README)."""
     history = [5, 10, 11, 12, 7, 5]
     tree, score = SuffixProposer().propose_one(DraftJob("a", history, 64))
-    assert tree.token_ids == [10, 11] and score == 2.0
+    assert tree.token_ids == [10, 11] and abs(score - (1 / 2 + 1 / 3)) < 1e-9
     tree, _ = SuffixProposer(min_match=2).propose_one(DraftJob("b", history, 64))
     assert len(tree) == 0
 
@@ -147,3 +148,15 @@ def test_an_index_holds_a_few_hundred_bytes_a_token():
     tracemalloc.stop()
     assert len(index) == 50_000
     assert per_token < 350, f"{per_token:.0f} bytes a token"
+
+
+def test_a_longer_match_scores_its_copy_higher():
+    """The same continuation, seen once, after a match of 1 token and of 12: the score (the
+    expected accepted tokens the hybrid proposer weighs) trusts the longer match more at every
+    depth, and neither as certain (a share of 1 at each of its nodes)."""
+    copied = list(range(100, 140))
+    prop = SuffixProposer(max_depth=4)
+    _, short = prop.propose_one(DraftJob("a", [*copied, 7, 100], 64))  # matches "100": 2 deep
+    _, long = prop.propose_one(DraftJob("b", [*copied, 7, *copied[:12]], 64))  # 12: 4 deep
+    assert abs(short - (1 / 2 + 1 / 3)) < 1e-9
+    assert abs(long - sum(12 / (12 + j) for j in range(1, 5))) < 1e-9 and long < 4
