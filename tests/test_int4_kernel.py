@@ -47,16 +47,45 @@ def test_every_row_count_gives_each_row_the_value_it_has_alone():
         assert torch.equal(kernels.int4_mm(x[:rows], codes, scale_offset), alone[:rows]), rows
 
 
-def test_the_avx2_path_and_the_dispatched_one_give_the_same_bits():
-    """Where the CPU has AVX512-VNNI int4_mm multiplies bytes with dpbusd, elsewhere with
+def test_the_avx2_path_and_the_vnni_one_give_the_same_bits():
+    """Where the CPU has AVX512-VNNI int4_mm may multiply bytes with dpbusd, elsewhere with
     maddubs; both sum the same integers exactly."""
+    ops = torch.ops.specserve
     codes, scale_offset, _ = packed(130, 1280)
     x = torch.randn(6, 1280, generator=torch.Generator().manual_seed(3)) * 3
     x[0, :64] = 0  # whole zero groups (scale 0)
     x[1, 5] = 1e4  # one large value: the rest of its group rounds to 0
-    dispatched = kernels.int4_mm(x, codes, scale_offset)
-    assert torch.equal(dispatched, torch.ops.specserve.int4_mm_avx2(x, codes, scale_offset))
-    assert torch.isfinite(dispatched).all()
+    avx2 = ops.int4_mm_avx2(x, codes, scale_offset)
+    assert torch.isfinite(avx2).all()
+    assert torch.equal(kernels.int4_mm(x, codes, scale_offset), avx2)
+    if ops.int4_vnni():
+        assert torch.equal(ops.int4_mm_vnni(x, codes, scale_offset), avx2)
+    else:
+        with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+            ops.int4_mm_vnni(x, codes, scale_offset)
+
+
+def test_the_path_by_rows_is_measured_and_moves_no_bit():
+    """choose_int4_path times both paths on a layer and sets from how many rows a call takes
+    VNNI; whatever it sets, every row count gives the bits of the AVX2 path."""
+    ops = torch.ops.specserve
+    codes, scale_offset, _ = packed(2048, 1536)
+    rows = kernels.choose_int4_path(codes, scale_offset)
+    if ops.int4_vnni():
+        assert rows in (*kernels.PATH_PROBE_ROWS, kernels.PATH_PROBE_ROWS[-1] + 1)
+    else:
+        assert rows is None
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(4))
+    reference = ops.int4_mm_avx2(x, codes, scale_offset)
+    try:
+        for threshold in (1, 3, 10):
+            ops.int4_set_vnni_min_rows(threshold)
+            for n in (1, 2, 3, 4, 9):
+                assert torch.equal(kernels.int4_mm(x[:n], codes, scale_offset), reference[:n])
+        with pytest.raises(RuntimeError, match="at least 1"):
+            ops.int4_set_vnni_min_rows(0)
+    finally:
+        ops.int4_set_vnni_min_rows(rows or 1)
 
 
 def test_shapes_that_disagree_are_refused_by_name():
