@@ -154,9 +154,10 @@ bool vnni_supported() {
 }
 
 // Calls of at least this many rows take the AVX512-VNNI path where the CPU has it, smaller ones
-// the AVX2 path (both give the same bits). kernels.load() measures both and sets it: one row
-// streamed 1.4x faster through the AVX2 path on an AMD EPYC (Zen 4 runs 512-bit ops in two
-// halves), where 16 rows ran 1.3x faster through VNNI.
+// the AVX2 path (both give the same bits). quant.quantize times both on the model's largest
+// layer and sets it (kernels.choose_int4_path): on an AMD EPYC (Zen 4 runs 512-bit ops in two
+// halves) one row of the LM head streamed 1.5x faster through AVX2, 16 rows 1.3x faster
+// through VNNI.
 std::atomic<int64_t> vnni_min_rows{1};
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so) {
