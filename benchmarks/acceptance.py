@@ -1,5 +1,6 @@
-"""Mean accepted tokens per step of each proposer on Spec-Bench, replayed against the target's
-own greedy output: cheap, and the same on any hardware.
+"""Mean accepted tokens per step of each proposer on the benchmark workloads (Spec-Bench, code
+edits, agentic calls), replayed against the target's own greedy output: cheap, and the same
+on any hardware.
 
     python -m benchmarks.acceptance [--per-category 2] [--tokens 128] [--dtype auto]
                                     [--workload spec_bench,code_edit,agentic]
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import time
 from collections import defaultdict
@@ -276,7 +278,9 @@ def main() -> None:
         del proposer
     record = {
         "command": f"python -m benchmarks.acceptance --per-category {args.per_category} "
-        f"--tokens {args.tokens} --dtype {args.dtype} --proposers {args.proposers}",
+        f"--tokens {args.tokens} --dtype {args.dtype} --proposers {args.proposers} "
+        f"--workload {args.workload}",
+        "python": platform.python_version(),  # (the code_edit workload's source is its stdlib)
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "target_version": version,
         "questions": [r["question_id"] for r in rows],

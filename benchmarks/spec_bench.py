@@ -1,5 +1,5 @@
-"""Spec-Bench through the cluster: the default config with speculation on and off, at several
-concurrencies, decode rate and accepted length per category.
+"""Spec-Bench (and the other workloads) through the cluster: the default config with
+speculation on and off, at several concurrencies, decode rate and accepted length per category.
 
     python -m benchmarks.spec_bench [--per-category 1] [--tokens 96] [--concurrency 1,4,16]
                                     [--dtype auto] [--workload spec_bench] [--out DIR]
@@ -198,7 +198,8 @@ def main() -> None:
         )
     record = {
         "command": f"python -m benchmarks.spec_bench --per-category {args.per_category} "
-        f"--tokens {args.tokens} --concurrency {args.concurrency} --dtype {args.dtype}",
+        f"--tokens {args.tokens} --concurrency {args.concurrency} --dtype {args.dtype} "
+        f"--workload {args.workload}",
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "questions": [r["question_id"] for r in rows],
         "modes": modes,
