@@ -147,6 +147,26 @@ def test_outputs_learned_across_requests_keep_greedy_exact_and_cut_steps(
     assert prop.shared.tokens() > 0 if proposer == "suffix" else prop.suffix.shared.tokens() > 0
 
 
+def test_hybrid_stops_taking_suffix_trees_that_do_not_come_true_for_its_sequence(tiny_draft):
+    """Two sequences with the same history, whose suffix tree copies what followed it before:
+    where the target keeps copying, the hybrid keeps proposing that tree; where the target
+    goes elsewhere every step (the tree held none of it), the sequence's own record of its
+    suffix trees turns it to the draft model, though the tree scores as high as the first."""
+    hybrid = HybridProposer(suffix_proposer(), draft_model_proposer(tiny_draft, SHAPES["chain"]))
+    part = list(range(300, 340))
+    history = {"copies": part + part[:5], "strays": part + part[:5]}
+    chosen: dict[str, list[bool]] = {name: [] for name in history}
+    for step in range(8):
+        jobs = [DraftJob(name, tokens, 4, deep_budget=16) for name, tokens in history.items()]
+        for job, tree in zip(jobs, hybrid.propose(jobs), strict=True):
+            chosen[job.seq_id].append(tree.model_free)
+        at = 5 + 4 * step  # the copy goes on; the other emits a new token, then the same 5
+        history["copies"] += part[at : at + 4]
+        history["strays"] += [500 + step, *part[:5]]
+    assert all(chosen["copies"])
+    assert chosen["strays"][0] and not any(chosen["strays"][-3:])
+
+
 def test_draft_cache_resyncs_after_a_rollback(tiny_model):
     """A drafter told a shorter or different history drafts as if it started fresh."""
     shape = SHAPES["tree"]

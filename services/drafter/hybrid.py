@@ -18,18 +18,44 @@ SERVICE_WEIGHT = 0.05  # of a step in the drafter-wide means
 
 @dataclass
 class _Proposed:
-    tree: DraftTree
+    tree: DraftTree  # the tree proposed
     history: int  # tokens of the history it was drafted after
-    predicted: float  # the suffix tree's expected accepted tokens (model trees: unused)
+    suffix: DraftTree  # the suffix tree, proposed or not
+    predicted: float  # its score
+
+
+@dataclass
+class _Calibration:
+    """Running means of what suffix trees got accepted and what they scored."""
+
+    actual: float = 1.0
+    predicted: float = 1.0
+
+    def update(self, actual: float, predicted: float, weight: float) -> None:
+        self.actual += weight * (actual - self.actual)
+        self.predicted += weight * (predicted - self.predicted)
+
+    @property
+    def ratio(self) -> float:
+        return self.actual / self.predicted
 
 
 class HybridProposer(Proposer):
-    """The suffix tree's expectation is its score (the sum of its nodes' path frequencies),
-    scaled by how well scores have predicted acceptance so far on this drafter; the draft
-    model's is the sequence's running mean of accepted tokens on its draft-model steps
+    """The suffix tree's expectation is its score (its nodes' discounted path frequencies),
+    scaled by how well scores have come true for the sequence: a running ratio of what its
+    suffix trees got accepted to what they scored, starting from the drafter-wide ratio. The
+    draft model's is the sequence's running mean of accepted tokens on its draft-model steps
     (before its first: the drafter-wide mean). Sampling requests use neither drafter-wide
     figure, so that their trees depend on their own history only. What was accepted is read
     off the next message: the new tokens that follow a path of the tree proposed for them.
+
+    The suffix tree is scored on every step, the proposed one or not: a step that went to the
+    draft model still shows how many of its emitted tokens the suffix tree held (at most those
+    emitted, so an unproposed tree that would have done better counts as no better than the
+    step). A drafter-wide ratio alone mixes kinds of text: on the replayed Spec-Bench answers,
+    suffix trees scoring 1-3 after short matches in prose got a fifth of their score accepted
+    and ones scoring 6 or more in code edits twice theirs, and prose sequences kept taking the
+    former over the draft model.
 
     Steps that take the suffix tree cost no draft forward pass, and may go as deep as the
     verifier's `deep_budget`; the draft model's trees stay within `budget`."""
@@ -41,7 +67,8 @@ class HybridProposer(Proposer):
         self.proposed: dict[str, _Proposed] = {}
         self.model_accepted: dict[str, float] = {}  # per sequence
         self.service_model_accepted = PRIOR_MODEL_ACCEPTED
-        self.suffix_actual = self.suffix_predicted = 1.0  # running sums: the calibration
+        self.calibration: dict[str, _Calibration] = {}  # per sequence
+        self.service_calibration = _Calibration()
 
     @classmethod
     def from_settings(cls, settings: DrafterSettings) -> HybridProposer:
@@ -49,37 +76,41 @@ class HybridProposer(Proposer):
             SuffixProposer.from_settings(settings), DraftModelProposer.from_settings(settings)
         )
 
-    def _calibration(self, job: DraftJob) -> float:
-        """How far suffix scores have come true. Sampling requests take none of the drafter's
-        history: their trees, and so a seeded request's output, depend on their own only."""
-        return self.suffix_actual / self.suffix_predicted if job.temperature == 0 else 1.0
+    def _calibration(self, job: DraftJob) -> _Calibration:
+        """How far the sequence's suffix scores have come true. Sampling requests start from
+        none of the drafter's history: their trees, and so a seeded request's output, depend
+        on their own only."""
+        if job.seq_id not in self.calibration:
+            start = self.service_calibration if job.temperature == 0 else _Calibration()
+            self.calibration[job.seq_id] = replace(start)
+        return self.calibration[job.seq_id]
 
     def propose(self, jobs: list[DraftJob]) -> list[DraftTree]:
         for job in jobs:
             self._observe(job)
         chosen = self._choose(jobs)
-        for job, (tree, score) in zip(jobs, chosen, strict=True):
-            self.proposed[job.seq_id] = _Proposed(tree, len(job.tokens), score)
-        return [tree for tree, _ in chosen]
+        for job, (tree, suffix, score) in zip(jobs, chosen, strict=True):
+            self.proposed[job.seq_id] = _Proposed(tree, len(job.tokens), suffix, score)
+        return [tree for tree, _, _ in chosen]
 
     def propose_ahead(self, jobs: list[DraftJob]) -> list[DraftTree]:
         """Chooses as propose does, and leaves the record of the last real proposal alone: its
         acceptance is read off the next message."""
-        return [tree for tree, _ in self._choose(jobs)]
+        return [tree for tree, _, _ in self._choose(jobs)]
 
-    def _choose(self, jobs: list[DraftJob]) -> list[tuple[DraftTree, float]]:
-        """Each job's tree, and the suffix tree's score."""
+    def _choose(self, jobs: list[DraftJob]) -> list[tuple[DraftTree, DraftTree, float]]:
+        """Each job's tree, and its suffix tree and that tree's score."""
         suffixed = [self.suffix.propose_one(job) for job in jobs]
         use_suffix = [
             len(tree) > 0
-            and (job.budget == 0 or score * self._calibration(job) >= self._model(job))
+            and (job.budget == 0 or score * self._calibration(job).ratio >= self._model(job))
             for job, (tree, score) in zip(jobs, suffixed, strict=True)
         ]
         drafted = self.draft.propose(
             [replace(job, budget=0) if s else job for job, s in zip(jobs, use_suffix, strict=True)]
         )
         return [
-            (tree if s else model_tree, score)
+            (tree if s else model_tree, tree, score)
             for (tree, score), s, model_tree in zip(suffixed, use_suffix, drafted, strict=True)
         ]
 
@@ -92,13 +123,17 @@ class HybridProposer(Proposer):
     def _observe(self, job: DraftJob) -> None:
         """Updates the means with what the target kept of the sequence's last tree."""
         last = self.proposed.pop(job.seq_id, None)
-        if last is None or len(last.tree) == 0 or len(job.tokens) <= last.history:
+        if last is None or len(job.tokens) <= last.history:
             return
-        accepted = last.tree.matched(job.tokens[last.history :])
-        if last.tree.model_free:
-            self.suffix_actual += SERVICE_WEIGHT * (accepted - self.suffix_actual)
-            self.suffix_predicted += SERVICE_WEIGHT * (last.predicted - self.suffix_predicted)
+        emitted = job.tokens[last.history :]
+        if len(last.suffix) > 0:
+            held = last.suffix.matched(emitted)
+            self._calibration(job).update(held, last.predicted, SEQUENCE_WEIGHT)
+            if job.temperature == 0:
+                self.service_calibration.update(held, last.predicted, SERVICE_WEIGHT)
+        if len(last.tree) == 0 or last.tree.model_free:
             return
+        accepted = last.tree.matched(emitted)
         mean = self._model(job)
         self.model_accepted[job.seq_id] = mean + SEQUENCE_WEIGHT * (accepted - mean)
         self.service_model_accepted += SERVICE_WEIGHT * (accepted - self.service_model_accepted)
@@ -108,6 +143,7 @@ class HybridProposer(Proposer):
         self.suffix.forget(seq_id)
         self.proposed.pop(seq_id, None)
         self.model_accepted.pop(seq_id, None)
+        self.calibration.pop(seq_id, None)
 
     def learn(self, tenant: str, tokens: list[int], prompt_len: int) -> None:
         self.suffix.learn(tenant, tokens, prompt_len)
