@@ -1,4 +1,4 @@
-"""The engine's int4 CPU kernel (engine/kernels): its layout, its two instruction paths, and
+"""The engine's int4 CPU kernel (engine/kernels): its layout, its instruction paths, and
 what speculation needs of it (an output row depends on its own activation row alone)."""
 
 from __future__ import annotations
@@ -47,45 +47,53 @@ def test_every_row_count_gives_each_row_the_value_it_has_alone():
         assert torch.equal(kernels.int4_mm(x[:rows], codes, scale_offset), alone[:rows]), rows
 
 
-def test_the_avx2_path_and_the_vnni_one_give_the_same_bits():
-    """Where the CPU has AVX512-VNNI int4_mm may multiply bytes with dpbusd, elsewhere with
-    maddubs; both sum the same integers exactly."""
-    ops = torch.ops.specserve
+def test_every_path_gives_the_same_bits():
+    """Where the CPU has AVX512-VNNI int4_mm may multiply bytes with dpbusd on 512-bit or
+    256-bit registers, elsewhere with maddubs; all sum the same integers exactly."""
     codes, scale_offset, _ = packed(130, 1280)
     x = torch.randn(6, 1280, generator=torch.Generator().manual_seed(3)) * 3
     x[0, :64] = 0  # whole zero groups (scale 0)
     x[1, 5] = 1e4  # one large value: the rest of its group rounds to 0
-    avx2 = ops.int4_mm_avx2(x, codes, scale_offset)
+    avx2 = kernels.int4_mm_path(x, codes, scale_offset, "avx2")
     assert torch.isfinite(avx2).all()
     assert torch.equal(kernels.int4_mm(x, codes, scale_offset), avx2)
-    if ops.int4_vnni():
-        assert torch.equal(ops.int4_mm_vnni(x, codes, scale_offset), avx2)
-    else:
-        with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
-            ops.int4_mm_vnni(x, codes, scale_offset)
+    runs = kernels.int4_paths()
+    for path in kernels.PATHS:
+        if path in runs:
+            for rows in (1, 5, 6):  # (tiles of 4 and what is left)
+                y = kernels.int4_mm_path(x[:rows], codes, scale_offset, path)
+                assert torch.equal(y, avx2[:rows]), (path, rows)
+        else:
+            with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+                kernels.int4_mm_path(x, codes, scale_offset, path)
 
 
 def test_the_path_by_rows_is_measured_and_moves_no_bit():
-    """choose_int4_path times both paths on a layer and sets from how many rows a call takes
-    VNNI; whatever it sets, every row count gives the bits of the AVX2 path."""
+    """choose_int4_path times every path on a layer and sets which one calls of each row count
+    take; whatever is set, every row count gives the bits of the AVX2 path."""
     ops = torch.ops.specserve
     codes, scale_offset, _ = packed(2048, 1536)
-    rows = kernels.choose_int4_path(codes, scale_offset)
-    if ops.int4_vnni():
-        assert rows in (*kernels.PATH_PROBE_ROWS, kernels.PATH_PROBE_ROWS[-1] + 1)
-    else:
-        assert rows is None
-    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(4))
-    reference = ops.int4_mm_avx2(x, codes, scale_offset)
+    before = ops.int4_paths_set()
+    chosen = kernels.choose_int4_path([(codes, scale_offset)])
+    assert set(chosen) == set(kernels.PATH_PROBE_ROWS)
+    assert set(chosen.values()) <= set(kernels.int4_paths())
+    set_by_rows = [kernels.PATHS[p] for p in ops.int4_paths_set()]
+    assert set_by_rows[0] == chosen[1] and set_by_rows[7] == chosen[8]
+    assert set_by_rows[15] == chosen[16]
+    x = torch.randn(18, 1536, generator=torch.Generator().manual_seed(4))
+    reference = kernels.int4_mm_path(x, codes, scale_offset, "avx2")
+    numbers = list(ops.int4_paths())
     try:
-        for threshold in (1, 3, 10):
-            ops.int4_set_vnni_min_rows(threshold)
-            for n in (1, 2, 3, 4, 9):
+        for paths in (numbers, numbers[::-1], [numbers[-1], numbers[0]]):
+            ops.int4_set_paths(paths)
+            for n in (1, 2, 3, 4, 9, 18):
                 assert torch.equal(kernels.int4_mm(x[:n], codes, scale_offset), reference[:n])
-        with pytest.raises(RuntimeError, match="at least 1"):
-            ops.int4_set_vnni_min_rows(0)
+        with pytest.raises(RuntimeError, match="no paths"):
+            ops.int4_set_paths([])
+        with pytest.raises(RuntimeError, match="does not run path 7"):
+            ops.int4_set_paths([7])
     finally:
-        ops.int4_set_vnni_min_rows(rows or 1)
+        ops.int4_set_paths(before)
 
 
 def test_shapes_that_disagree_are_refused_by_name():

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 
 import torch
 from torch import nn
@@ -216,12 +217,16 @@ def quantize(model: nn.Module, kind: str) -> nn.Module:
         if not isinstance(module, tuple(LAYERS.values())):
             module._apply(lambda t: t.float() if t.is_floating_point() else t, recurse=False)
     blocks = [m for m in model.modules() if isinstance(m, Int4Linear) and m.layout == "blocks"]
-    if blocks:  # the engine's kernel: its faster path by rows, timed on the largest layer
-        largest = max(blocks, key=lambda m: m.packed.numel())
-        rows = kernels.choose_int4_path(largest.packed, largest.scale_offset)
+    if blocks:  # the engine's kernel: its fastest path by rows, timed on the model's layers
+        started = time.perf_counter()
+        paths = kernels.choose_int4_path([(m.packed, m.scale_offset) for m in blocks])
         log.info(
             "int4 kernel path chosen",
-            extra={"avx512_vnni_from_rows": rows, "timed_on": list(largest.packed.shape)},
+            extra={
+                "path_from_rows": paths,
+                "layers": len(blocks),
+                "seconds": round(time.perf_counter() - started, 2),
+            },
         )
     return model
 

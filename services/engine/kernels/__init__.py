@@ -3,8 +3,9 @@
 
 - `int4_cpu.cpp` (its loops in `int4_rows.inc`): `torch.ops.specserve.int4_mm`, int4 weights
   (groups of 32, a bfloat16 scale and offset each) times float32 activations quantised per
-  group to int8, on x86 CPUs with AVX2 and FMA, with AVX512-VNNI's byte dot products where the
-  CPU has them (`int4_mm_avx2` runs the AVX2 path anywhere, for the tests).
+  group to int8, on x86 CPUs with AVX2 and FMA, with AVX512-VNNI's byte dot products on 512-
+  or 256-bit registers where the CPU has them (`int4_mm_path` runs one path, for the tests
+  and for `choose_int4_path`'s timing).
   `quant.Int4Linear` uses it on such CPUs; elsewhere torch's int4 kernels.
 
 `python -m specserve.engine.kernels` builds them (`make setup` does, so no service start
@@ -73,50 +74,66 @@ def load() -> None:
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, a build error
         raise KernelError(f"building the engine's CPU kernels failed: {e}") from e
 
-    for op in ("specserve::int4_mm", "specserve::int4_mm_avx2", "specserve::int4_mm_vnni"):
+    @torch.library.register_fake("specserve::int4_mm")
+    def _(x, codes, scale_offset):  # the output's shape, for tracing (torch.compile)
+        return x.new_empty(x.shape[0], codes.shape[0])
 
-        @torch.library.register_fake(op)
-        def _(x, codes, scale_offset):  # the output's shape, for tracing (torch.compile)
-            return x.new_empty(x.shape[0], codes.shape[0])
+    @torch.library.register_fake("specserve::int4_mm_path")
+    def _(x, codes, scale_offset, path):
+        return x.new_empty(x.shape[0], codes.shape[0])
 
     log.info("engine CPU kernels loaded", extra={"seconds": round(time.monotonic() - start, 1)})
 
 
+PATHS = ("avx2", "vnni256", "vnni512")  # int4_mm's instruction paths, by their number
 PATH_PROBE_ROWS = (1, 2, 4, 8, 16)  # row counts choose_int4_path times
 
 
-def choose_int4_path(codes: torch.Tensor, scale_offset: torch.Tensor, reps: int = 3) -> int | None:
-    """On a CPU with AVX512-VNNI, times both int4 paths on these weights (a model's largest
-    layer: streamed from memory, as a decode step streams them) at PATH_PROBE_ROWS, and has
-    int4_mm take VNNI from the smallest row count from which it was never slower (the best of
-    `reps` each); returns that count (None: no VNNI, AVX2 throughout). Both paths give the same
-    bits, so this moves only time: on an AMD EPYC the default target's LM head at one row
-    streamed 1.5x faster through AVX2 (decode 17.8 -> 25.2 tokens/s with AVX2 throughout), and
-    a 16-node tree took 1.3x longer."""
+def choose_int4_path(
+    layers: list[tuple[torch.Tensor, torch.Tensor]], reps: int = 2
+) -> dict[int, str]:
+    """Times every int4 path this CPU runs at PATH_PROBE_ROWS, each a pass over all of
+    `layers` ((codes, scale_offset) of a model's int4 layers: streamed from memory, as a
+    forward streams them, past the caches of a large model), the best of `reps`, and has
+    int4_mm take the fastest at each count for calls from that count up to the next
+    (PATH_PROBE_ROWS[-1] and more: its fastest); returns {rows: path name}. The paths give the
+    same bits, so this moves only time: on an AMD EPYC the default target's LM head at one
+    row streamed 1.5x faster through AVX2 than through 512-bit VNNI (decode 17.8 -> 25.2
+    tokens/s), and a 16-node tree took 1.3x longer; on a Xeon the MLP layers streamed 3-8%
+    faster through 256-bit VNNI at 1-4 rows and the LM head through 512-bit."""
     ops = torch.ops.specserve
-    if not ops.int4_vnni():
-        return None
+    paths = list(ops.int4_paths())
     g = torch.Generator().manual_seed(0)
-    inputs = codes.shape[1] * 2
+    inputs = {codes.shape[1] * 2 for codes, _ in layers}
 
-    def best(path, x) -> float:
+    def best(path: int, xs: dict[int, torch.Tensor]) -> float:
         times = []
         for _ in range(reps):
             started = time.perf_counter()
-            path(x, codes, scale_offset)
+            for codes, scale_offset in layers:
+                ops.int4_mm_path(xs[codes.shape[1] * 2], codes, scale_offset, path)
             times.append(time.perf_counter() - started)
         return min(times)
 
-    vnni_faster = []
+    fastest = {}
     for rows in PATH_PROBE_ROWS:
-        x = torch.randn(rows, inputs, generator=g)
-        vnni_faster.append(best(ops.int4_mm_vnni, x) <= best(ops.int4_mm_avx2, x))
-    chosen = next(
-        (r for i, r in enumerate(PATH_PROBE_ROWS) if all(vnni_faster[i:])),
-        PATH_PROBE_ROWS[-1] + 1,
-    )
-    ops.int4_set_vnni_min_rows(chosen)
-    return chosen
+        xs = {n: torch.randn(rows, n, generator=g) for n in inputs}
+        fastest[rows] = min(paths, key=lambda path, xs=xs: best(path, xs))
+    by_rows = [fastest[max(r for r in PATH_PROBE_ROWS if r <= n)] for n in range(1, 17)]
+    ops.int4_set_paths(by_rows)
+    return {rows: PATHS[path] for rows, path in fastest.items()}
+
+
+def int4_mm_path(
+    x: torch.Tensor, codes: torch.Tensor, scale_offset: torch.Tensor, path: str
+) -> torch.Tensor:
+    """int4_mm through one named path (PATHS); a path this CPU does not run raises."""
+    return torch.ops.specserve.int4_mm_path(x, codes, scale_offset, PATHS.index(path))
+
+
+def int4_paths() -> list[str]:
+    """The paths this CPU runs."""
+    return [PATHS[p] for p in torch.ops.specserve.int4_paths()]
 
 
 def int4_blocks(

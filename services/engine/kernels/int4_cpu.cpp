@@ -5,8 +5,9 @@
 // below; kernels.int4_blocks packs it). Activations are quantised per row to int8 in the same
 // groups of 32 (a float scale each), so a group's dot product is integer multiply-adds over
 // bytes, scaled once, as in llama.cpp's Q4 x Q8 kernels. Where the CPU has AVX512-VNNI the
-// bytes are multiplied and added by dpbusd, elsewhere by AVX2's maddubs and madd: the same
-// integers either way, so the same outputs.
+// bytes may be multiplied and added by dpbusd on 512-bit or 256-bit registers, elsewhere by
+// AVX2's maddubs and madd: the same integers every way, so the same outputs; which path a call
+// takes goes by its rows, as measured on the model at load (int4_set_paths).
 // Each output element is computed from its own activation row alone, in the same order
 // whatever the number of rows, so a token's outputs do not depend on the call it shares.
 #include <ATen/ATen.h>
@@ -15,10 +16,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -101,7 +104,19 @@ namespace vnni {
 }  // namespace vnni
 #pragma GCC pop_options
 
-at::Tensor int4_mm_on(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so, bool use_vnni) {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512vnni")
+namespace vnni256 {
+#define SPECSERVE_VNNI256 1
+#include "int4_rows.inc"
+#undef SPECSERVE_VNNI256
+}  // namespace vnni256
+#pragma GCC pop_options
+
+// The instruction paths, by number (kernels.PATHS names them in this order).
+enum Path : int64_t { kAvx2 = 0, kVnni256 = 1, kVnni512 = 2, kPaths = 3 };
+
+at::Tensor int4_mm_on(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so, Path path) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "int4_mm: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.dim() == 2,
@@ -139,10 +154,11 @@ at::Tensor int4_mm_on(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   const uint16_t* wso = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, out, 32, [&](int64_t r0, int64_t r1) {
-    if (use_vnni)
-      vnni::rows_of(wq, wso, qp, dp, sp, yp, rows, n, out, r0, r1);
-    else
-      avx2::rows_of(wq, wso, qp, dp, sp, yp, rows, n, out, r0, r1);
+    switch (path) {
+      case kVnni512: vnni::rows_of(wq, wso, qp, dp, sp, yp, rows, n, out, r0, r1); break;
+      case kVnni256: vnni256::rows_of(wq, wso, qp, dp, sp, yp, rows, n, out, r0, r1); break;
+      default: avx2::rows_of(wq, wso, qp, dp, sp, yp, rows, n, out, r0, r1); break;
+    }
   });
   return y;
 }
@@ -153,46 +169,61 @@ bool vnni_supported() {
   return vnni;
 }
 
-// Calls of at least this many rows take the AVX512-VNNI path where the CPU has it, smaller ones
-// the AVX2 path (both give the same bits). quant.quantize times both on the model's largest
-// layer and sets it (kernels.choose_int4_path): on an AMD EPYC (Zen 4 runs 512-bit ops in two
-// halves) one row of the LM head streamed 1.5x faster through AVX2, 16 rows 1.3x faster
-// through VNNI.
-std::atomic<int64_t> vnni_min_rows{1};
+bool runs(int64_t path) {
+  return path == kAvx2 || ((path == kVnni256 || path == kVnni512) && vnni_supported());
+}
+
+// The path a call of r rows takes: by_rows[min(r, kTable) - 1]. quant.quantize times every path
+// this CPU runs on the model's largest layer and sets it (kernels.choose_int4_path); all give
+// the same bits. On an AMD EPYC (Zen 4 runs 512-bit ops in two halves) one row of the LM head
+// streamed 1.5x faster through AVX2 than through 512-bit VNNI, 16 rows 1.3x slower.
+constexpr int64_t kTable = 16;
+std::array<std::atomic<int64_t>, kTable> by_rows{};  // (zero: AVX2 until set)
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so) {
-  return int4_mm_on(x, qs, so, vnni_supported() && x.size(0) >= vnni_min_rows.load());
+  const int64_t rows = std::clamp<int64_t>(x.size(0), 1, kTable);
+  return int4_mm_on(x, qs, so, static_cast<Path>(by_rows[rows - 1].load()));
 }
 
-// Each path on its own (the tests compare them; kernels.load() times them).
-at::Tensor int4_mm_avx2(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so) {
-  return int4_mm_on(x, qs, so, false);
+// One path on its own (the tests compare them; kernels.choose_int4_path times them).
+at::Tensor int4_mm_path(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so, int64_t path) {
+  TORCH_CHECK(path >= 0 && path < kPaths, "int4_mm_path: no path ", path);
+  TORCH_CHECK(runs(path), "int4_mm_path: this CPU has no AVX512-VNNI for path ", path);
+  return int4_mm_on(x, qs, so, static_cast<Path>(path));
 }
 
-at::Tensor int4_mm_vnni(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so) {
-  TORCH_CHECK(vnni_supported(), "int4_mm_vnni: this CPU has no AVX512-VNNI");
-  return int4_mm_on(x, qs, so, true);
+std::vector<int64_t> int4_paths() {
+  std::vector<int64_t> paths;
+  for (int64_t p = 0; p < kPaths; ++p)
+    if (runs(p)) paths.push_back(p);
+  return paths;
 }
 
-bool int4_vnni() { return vnni_supported(); }
+// paths[i]: the path of calls of i + 1 rows; the last one also of every larger call.
+void int4_set_paths(std::vector<int64_t> paths) {
+  TORCH_CHECK(!paths.empty(), "int4_set_paths: no paths");
+  for (int64_t p : paths) TORCH_CHECK(p >= 0 && p < kPaths && runs(p), "int4_set_paths: this CPU does not run path ", p);
+  for (int64_t i = 0; i < kTable; ++i)
+    by_rows[i].store(paths[std::min<int64_t>(i, paths.size() - 1)]);
+}
 
-void int4_set_vnni_min_rows(int64_t rows) {
-  TORCH_CHECK(rows >= 1, "int4_set_vnni_min_rows: rows must be at least 1");
-  vnni_min_rows.store(rows);
+std::vector<int64_t> int4_paths_set() {
+  std::vector<int64_t> paths;
+  for (const auto& p : by_rows) paths.push_back(p.load());
+  return paths;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(specserve, m) {
   m.def("int4_mm(Tensor x, Tensor codes, Tensor scale_offset) -> Tensor");
-  m.def("int4_mm_avx2(Tensor x, Tensor codes, Tensor scale_offset) -> Tensor");
-  m.def("int4_mm_vnni(Tensor x, Tensor codes, Tensor scale_offset) -> Tensor");
-  m.def("int4_vnni() -> bool", int4_vnni);
-  m.def("int4_set_vnni_min_rows(int rows) -> ()", int4_set_vnni_min_rows);
+  m.def("int4_mm_path(Tensor x, Tensor codes, Tensor scale_offset, int path) -> Tensor");
+  m.def("int4_paths() -> int[]", int4_paths);
+  m.def("int4_set_paths(int[] paths) -> ()", int4_set_paths);
+  m.def("int4_paths_set() -> int[]", int4_paths_set);
 }
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
   m.impl("int4_mm", int4_mm);
-  m.impl("int4_mm_avx2", int4_mm_avx2);
-  m.impl("int4_mm_vnni", int4_mm_vnni);
+  m.impl("int4_mm_path", int4_mm_path);
 }
