@@ -4,19 +4,27 @@ speculation on and off, at several concurrencies, decode rate and accepted lengt
     python -m benchmarks.spec_bench [--per-category 1] [--tokens 96] [--concurrency 1,4,16]
                                     [--dtype auto] [--workload spec_bench] [--out DIR]
 
-For each concurrency its own --per-category questions of each category of the workloads
-(benchmarks/workloads.py: Spec-Bench's 13 by default; code_edit, agentic), first turn and
-system message, greedy, through one cluster of config/specserve.yaml's verifier and drafter
-sections (less their ports; --dtype for target and drafter; the verifier's batch_size the
-largest concurrency; its prefix cache off, since each prompt is sent once per mode).
-Speculation off is the same cluster with each request's `speculation.mode = OFF`, and on and
-off alternate group by group, on first (see `run`): a machine whose speed drifts by 10% between
-minutes (this one) moves both alike, and no stream with speculation on comes after its own
-prompt's plain answer (which the drafter learns, as it learns every completed output of the
-tenant). Each stream is timed as benchmarks.speculative times one (token arrivals at the
-client): decode tokens/s = tokens after the first / time from the first to the last; per
-category the mean over its streams, and per concurrency the tokens of all streams over the time
-their groups took.
+At concurrency c each category is measured under a load of its own kind: --per-category
+groups of c streams of that category's questions sent at once (first turn and system
+message, greedy), with speculation on, then the same group with it off. A category's figure
+is the mean over its streams, and so what that category gets while c of its kind share the
+verifier; a group mixing categories would instead time each stream by whichever others it
+happened to run beside (one stream a category in mixed groups of 16 moved by 0.5-2.7x between
+the modes). The questions (benchmarks/workloads.py: Spec-Bench's 13 categories by default;
+code_edit, agentic) go in file order, each answered at one concurrency only, since the
+drafter learns every completed answer of the tenant and would draft a repeated one back;
+a category with fewer questions left than c streams repeats its remaining ones within the
+group (streams of one group start together, so none learns from a twin's answer before its
+own ends), and the results count the distinct questions. One cluster of config/specserve.yaml's
+verifier and drafter sections (less their ports; --dtype for target and drafter; the
+verifier's batch_size the largest concurrency; its prefix cache off, since each prompt goes
+once per mode). Speculation off is the same cluster with each request's `speculation.mode =
+OFF`; on goes first in each group, so that no stream with speculation on comes after its own
+prompt's plain answer (which the drafter learns), and the two modes see the same minutes of
+a machine whose speed drifts. Each stream is timed as benchmarks.speculative times one
+(token arrivals at the client): decode tokens/s = tokens after the first / time from the
+first to the last; per concurrency, the tokens of all streams over the time their groups
+took.
 Writes <out>/spec_bench.json and <out>/spec_bench.png.
 """
 
@@ -96,23 +104,29 @@ def cluster_config(levels: list[int], dtype: str) -> dict:
     }
 
 
-def by_level(rows: list[dict], levels: int) -> list[list[dict]]:
-    """The questions split into `levels` sets, each with its share of every category: a
-    question answered at one concurrency is not asked again at the next (the drafter learns
-    every answer, and would draft a repeated one back)."""
-    seen: dict[str, int] = defaultdict(int)
-    sets: list[list[dict]] = [[] for _ in range(levels)]
+def groups(rows: list[dict], levels: list[int], per_category: int) -> dict[int, list[list[dict]]]:
+    """Per concurrency c, `per_category` groups of c streams for each category, from its
+    questions in file order; a question is used at one concurrency only, and a group short
+    of questions repeats its own (see the module's docstring)."""
+    left: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
-        sets[seen[row["category"]] % levels].append(row)
-        seen[row["category"]] += 1
-    return sets
+        left[row["category"]].append(row)
+    out: dict[int, list[list[dict]]] = {}
+    for c in levels:
+        out[c] = []
+        for category, questions in left.items():
+            for _ in range(per_category):
+                own, left[category] = questions[:c], questions[c:]
+                questions = left[category]
+                if own:
+                    out[c].append([own[i % len(own)] for i in range(c)])
+    return out
 
 
 def run(rows: list[dict], args) -> dict:
-    """Per concurrency c, the questions in groups of c: each group's c streams sent at once
-    with speculation on, then the same with it off, group after group (so both modes see the
-    same moments of a noisy machine). Per mode and c: each stream's figures by category, and
-    the tokens of all its streams over the time its groups took."""
+    """Per concurrency c, each group's c streams sent at once with speculation on, then the
+    same with it off, group after group. Per mode and c: each stream's figures by category,
+    and the tokens of all its streams over the time its groups took."""
     levels = [int(c) for c in args.concurrency.split(",")]
     out: dict[str, dict] = {"off": {}, "on": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,11 +136,11 @@ def run(rows: list[dict], args) -> dict:
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
                 stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 stream(stub, "Say hi.", 8)  # (warm-up; and the drafter connected)
-                for c, asked in zip(levels, by_level(rows, len(levels)), strict=True):
+                for c, level in groups(rows, levels, args.per_category).items():
+                    asked = [row for group in level for row in group]
                     results = {mode: [] for mode in MODES}
                     walls = dict.fromkeys(MODES, 0.0)
-                    for start in range(0, len(asked), c):
-                        group = asked[start : start + c]
+                    for group in level:
                         for mode, value in MODES.items():
                             started = time.perf_counter()
                             with cf.ThreadPoolExecutor(len(group)) as pool:
@@ -150,11 +164,13 @@ def run(rows: list[dict], args) -> dict:
 def summary(rows: list[dict], results: list[dict], wall: float) -> dict:
     by_category = defaultdict(list)
     for row, r in zip(rows, results, strict=True):
-        by_category[row["category"]].append(r)
+        by_category[row["category"]].append(r | {"question_id": row["question_id"]})
     return {
         "tokens_per_s_total": round(sum(r["tokens"] for r in results) / wall, 2),
         "categories": {
             category: {
+                "streams": len(rs),
+                "questions": len({r["question_id"] for r in rs}),
                 "decode_tokens_per_s": round(
                     statistics.mean(r["decode_tokens_per_s"] or 0 for r in rs), 2
                 ),
@@ -171,7 +187,9 @@ def summary(rows: list[dict], results: list[dict], wall: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--per-category", type=int, default=1)
+    p.add_argument(
+        "--per-category", type=int, default=1, help="groups per category at each concurrency"
+    )
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--dtype", default="auto", help="target and drafter")
@@ -182,8 +200,8 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
-    levels = len(args.concurrency.split(","))
-    rows = workloads.rows(args.workload, args.per_category * levels)
+    streams = sum(int(c) for c in args.concurrency.split(","))
+    rows = workloads.rows(args.workload, args.per_category * streams)
     modes = run(rows, args)
     for c, on in modes["on"].items():
         off = modes["off"][c]
@@ -201,7 +219,7 @@ def main() -> None:
         f"--tokens {args.tokens} --concurrency {args.concurrency} --dtype {args.dtype} "
         f"--workload {args.workload}",
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "questions": [r["question_id"] for r in rows],
+        "questions": len(rows),
         "modes": modes,
     }
     args.out.mkdir(parents=True, exist_ok=True)

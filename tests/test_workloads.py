@@ -55,3 +55,23 @@ def test_a_missing_file_or_unknown_name_says_what_to_pass(tmp_path):
         '{"question_id": 2, "category": "a", "turns": ["yo"]}\n'
     )
     assert [r["question_id"] for r in workloads.rows(str(tmp_path / "mine.jsonl"), 1)] == [1]
+
+
+def test_spec_bench_times_each_category_under_a_load_of_its_own_kind():
+    """benchmarks.spec_bench at concurrency c: groups of c streams of one category each, every
+    question answered at one concurrency only (the drafter learns answers), a category short
+    of questions repeating its own within its group."""
+    from benchmarks import spec_bench
+
+    rows = workloads.rows("spec_bench,agentic", 21)
+    by_level = spec_bench.groups(rows, [1, 4, 16], per_category=1)
+    categories = {r["category"] for r in rows}
+    used: dict[str, int] = {}
+    for c, level in by_level.items():
+        assert sorted(g[0]["category"] for g in level) == sorted(categories)
+        for group in level:
+            assert len(group) == c and len({r["category"] for r in group}) == 1
+            for qid in {r["question_id"] for r in group}:
+                assert used.setdefault(qid, c) == c
+    writing = next(g for g in by_level[16] if g[0]["category"] == "writing")
+    assert len({r["question_id"] for r in writing}) == 8 - 1 - 4  # (Spec-Bench: 8 a category)
