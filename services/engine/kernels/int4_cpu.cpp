@@ -174,8 +174,8 @@ bool runs(int64_t path) {
 }
 
 // The path a call of r rows takes: by_rows[min(r, kTable) - 1]. quant.quantize times every path
-// this CPU runs on the model's largest layer and sets it (kernels.choose_int4_path); all give
-// the same bits. On an AMD EPYC (Zen 4 runs 512-bit ops in two halves) one row of the LM head
+// this CPU runs over a pass of the model's int4 layers and sets it (kernels.choose_int4_path);
+// all give the same bits. On an AMD EPYC (Zen 4 runs 512-bit ops in two halves) one row of the LM head
 // streamed 1.5x faster through AVX2 than through 512-bit VNNI, 16 rows 1.3x slower.
 constexpr int64_t kTable = 16;
 std::array<std::atomic<int64_t>, kTable> by_rows{};  // (zero: AVX2 until set)
@@ -202,7 +202,8 @@ std::vector<int64_t> int4_paths() {
 // paths[i]: the path of calls of i + 1 rows; the last one also of every larger call.
 void int4_set_paths(std::vector<int64_t> paths) {
   TORCH_CHECK(!paths.empty(), "int4_set_paths: no paths");
-  for (int64_t p : paths) TORCH_CHECK(p >= 0 && p < kPaths && runs(p), "int4_set_paths: this CPU does not run path ", p);
+  for (int64_t p : paths)
+    TORCH_CHECK(p >= 0 && p < kPaths && runs(p), "int4_set_paths: this CPU does not run path ", p);
   for (int64_t i = 0; i < kTable; ++i)
     by_rows[i].store(paths[std::min<int64_t>(i, paths.size() - 1)]);
 }
