@@ -169,7 +169,12 @@ class _Serving:
 
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
-        self.stopped.wait()
+        # A wait with a timeout: Python runs a signal's handler in the main thread, and a main
+        # thread blocked in Event.wait() wakes only if the kernel delivered the signal to it;
+        # delivered to one of the gRPC threads, a SIGTERM went unhandled and the process
+        # served on (a gateway did not drain in 60 s under test).
+        while not self.stopped.wait(0.2):
+            pass
         self.set_serving(False)
         on_stop()
         self._stop_grpc(drain_seconds)
