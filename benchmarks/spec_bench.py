@@ -114,10 +114,10 @@ def groups(rows: list[dict], levels: list[int], per_category: int) -> dict[int, 
     out: dict[int, list[list[dict]]] = {}
     for c in levels:
         out[c] = []
-        for category, questions in left.items():
+        for questions in left.values():
             for _ in range(per_category):
-                own, left[category] = questions[:c], questions[c:]
-                questions = left[category]
+                own = questions[:c]
+                del questions[:c]  # (asked at this concurrency only)
                 if own:
                     out[c].append([own[i % len(own)] for i in range(c)])
     return out
