@@ -1,6 +1,7 @@
 """The engine's cost at the level of its forward pass (FlatModel, ModelRunner; no cluster).
 
     python -m benchmarks.engine --label before [--dtype bfloat16] [--threads 2]
+                                [--attention auto|padded|paged]
                                 [--parts decode,tiny,tree,ttft,batch] [--reps 5]
                                 [--device cuda] [--target DIR] [--tiny DIR]
 
@@ -340,10 +341,10 @@ def git_commit() -> str:
 
 
 def engine_model(hf, args) -> FlatModel:
-    """The forward under test, compiled (and warmed up) with --compile."""
+    """The forward under test (--attention's kernel), compiled (and warmed up) with --compile."""
     if not args.compile:
-        return FlatModel(hf)
-    flat, seconds = FlatModel.prepare(hf, compile=True, key="--compile")
+        return FlatModel(hf, attention=args.attention)
+    flat, seconds = FlatModel.prepare(hf, compile=True, key="--compile", attention=args.attention)
     print(f"compiled and warmed up in {seconds:.1f} s ({flat.graphs} graphs)", flush=True)
     return flat
 
@@ -425,6 +426,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads (bandwidth too)")
     p.add_argument("--compile", action="store_true", help="torch.compile the forward")
     p.add_argument(
+        "--attention",
+        choices=("auto", "padded", "paged"),
+        default="auto",
+        help="attention kernel (verifier.attention)",
+    )
+    p.add_argument(
         "--parts", default=",".join(PARTS), help=f"comma-separated: {PARTS + ASKED_ONLY}"
     )
     p.add_argument("--reps", type=int, default=5, help="repetitions per figure")
@@ -446,12 +453,13 @@ def main() -> None:
     entry = {
         "command": f"python -m benchmarks.engine --label {args.label} --dtype {args.dtype} "
         f"--threads {args.threads} --parts {','.join(args.parts)} --reps {args.reps} "
-        f"--steps {args.steps} --device {args.device}"
+        f"--steps {args.steps} --device {args.device} --attention {args.attention}"
         + "".join(f" --{k} {v}" for k in ("target", "tiny") if (v := getattr(args, k))),
         "git_commit": git_commit(),
         "dtype": args.dtype,
         "threads": args.threads,
         "compile": args.compile,
+        "attention": args.attention,
         "torch": torch.__version__,
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine() + device_name(args.device),

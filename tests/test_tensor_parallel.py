@@ -62,6 +62,7 @@ def rank_settings(timeout_s: float = 60.0):
         device="cpu",
         torch_threads=1,
         compile=False,
+        attention="auto",
         log_level="WARNING",
     )
 

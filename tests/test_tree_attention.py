@@ -1,4 +1,5 @@
-"""The flat forward with tree attention against plain Hugging Face passes (float32)."""
+"""The flat forward with tree attention against plain Hugging Face passes (float32), through
+each attention kernel: torch's SDPA over a padded batch, and the engine's paged CPU kernel."""
 
 from __future__ import annotations
 
@@ -6,10 +7,17 @@ import pytest
 import torch
 
 from helpers import make_sequence
+from specserve.common import models
 from specserve.common.tree import DraftTree
+from specserve.engine import kernels
 from specserve.engine.batch import Batch
-from specserve.engine.flat_model import FlatModel, Segment
+from specserve.engine.flat_model import FlatModel, Segment, UnsupportedAttention
 from specserve.verifier.runner import tree_segment
+
+
+@pytest.fixture(params=["padded", "paged"])
+def attention(request) -> str:
+    return request.param
 
 
 def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
@@ -27,8 +35,8 @@ def random_tree(nodes: int, vocab: int, seed: int) -> DraftTree:
 
 
 @pytest.mark.parametrize("nodes,seed", [(1, 0), (5, 1), (16, 2), (64, 3)])
-def test_every_tree_node_matches_a_plain_pass_over_its_path(tiny_model, nodes, seed):
-    flat = FlatModel(tiny_model)
+def test_every_tree_node_matches_a_plain_pass_over_its_path(tiny_model, attention, nodes, seed):
+    flat = FlatModel(tiny_model, attention=attention)
     vocab = tiny_model.config.vocab_size
     prompt = torch.randint(vocab, (23,), generator=torch.Generator().manual_seed(seed)).tolist()
     seq = make_sequence(prompt[:20], prompt[20:])
@@ -43,8 +51,10 @@ def test_every_tree_node_matches_a_plain_pass_over_its_path(tiny_model, nodes, s
         torch.testing.assert_close(logits[node + 1], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_keeping_an_accepted_path_leaves_the_cache_of_that_path(tiny_model):
-    flat = FlatModel(tiny_model, kv_tokens=16, block_size=4)  # small: the pool has to grow
+def test_keeping_an_accepted_path_leaves_the_cache_of_that_path(tiny_model, attention):
+    flat = FlatModel(
+        tiny_model, kv_tokens=16, block_size=4, attention=attention
+    )  # small: the pool has to grow
     prompt = list(range(100, 130))
     seq = make_sequence(prompt)
     seq.kv = flat.new_kv()
@@ -60,8 +70,8 @@ def test_keeping_an_accepted_path_leaves_the_cache_of_that_path(tiny_model):
     torch.testing.assert_close(after[0], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_one_batch_of_sequences_equals_separate_passes(tiny_model):
-    flat = FlatModel(tiny_model)
+def test_one_batch_of_sequences_equals_separate_passes(tiny_model, attention):
+    flat = FlatModel(tiny_model, attention=attention)
     prompts = [list(range(10, 10 + n)) for n in (3, 17, 8)]
     kvs = [flat.new_kv() for _ in prompts]
     batched = flat.forward([Segment(kv, p) for kv, p in zip(kvs, prompts, strict=True)])
@@ -73,10 +83,10 @@ def test_one_batch_of_sequences_equals_separate_passes(tiny_model):
         torch.testing.assert_close(rows[0], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_a_step_mixing_prompt_chunks_with_trees_attends_in_two_groups(tiny_model):
+def test_a_step_mixing_prompt_chunks_with_trees_attends_in_two_groups(tiny_model, attention):
     """Prompt chunks longer than SHORT_TOKENS take one attention call and the decode and tree
     sequences another; every row equals a plain pass all the same."""
-    flat = FlatModel(tiny_model)
+    flat = FlatModel(tiny_model, attention=attention)
     vocab = tiny_model.config.vocab_size
     ids = torch.randint(vocab, (400,), generator=torch.Generator().manual_seed(7)).tolist()
     chunks = [ids[:150], ids[150:220]]  # two prompt chunks of different lengths
@@ -110,3 +120,41 @@ def test_a_step_mixing_prompt_chunks_with_trees_attends_in_two_groups(tiny_model
     for node in range(len(tree)):
         expected = hf_last_logits(tiny_model, prefix + tree.path(node))
         torch.testing.assert_close(tree_rows[node + 1], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_paged_kernel_gives_a_sequence_the_same_bits_whatever_its_batch():
+    """A token's attention reads only what its mask shows, summed in an order that does not
+    depend on the other sequences of the call (their lengths pad L)."""
+    kernels.load()
+    g = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(200, 2, 16, generator=g) for _ in range(2))
+    q = torch.randn(3, 4, 16, generator=g)  # 3 tree nodes of one sequence
+    own = torch.tensor([[5, 9, 11, 40, 41, 42, 43, 44, 45, 46, 47]])  # 8 past entries + 3
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # node 2: not 1
+    mask = torch.ones(1, 1, 3, 11, dtype=torch.bool)
+    mask[0, 0, :, 8:] = tree
+    alone = torch.ops.specserve.paged_attention(
+        q, keys, values, own, mask, torch.empty(0, dtype=torch.long), 0.25
+    )
+    other = torch.arange(100, 137)[None]  # a longer sequence beside it: L = 37
+    slots = torch.zeros(2, 37, dtype=torch.long)
+    slots[0, :11], slots[1] = own[0], other[0]
+    both_mask = torch.zeros(2, 1, 3, 37, dtype=torch.bool)
+    both_mask[0, :, :, :11] = mask[0]
+    both_mask[1, 0, 0, :] = True  # its one token sees everything
+    q_both = torch.cat([q, torch.randn(1, 4, 16, generator=g)])
+    rows = torch.tensor([0, 1, 2, 3])  # padded rows b * N + n (N = 3)
+    beside = torch.ops.specserve.paged_attention(q_both, keys, values, slots, both_mask, rows, 0.25)
+    assert torch.equal(beside[:3], alone)
+    # and it is attention: node 2 against its visible entries by hand
+    seen = own[0][mask[0, 0, 2]]
+    k, v = keys[seen].transpose(0, 1), values[seen].transpose(0, 1)  # [2, n, 16]
+    weights = torch.softmax(q[2].view(2, 2, 16) @ k.transpose(1, 2) * 0.25, dim=-1)
+    torch.testing.assert_close(alone[2], (weights @ v).reshape(4, 16), atol=1e-6, rtol=1e-5)
+
+
+def test_paged_attention_where_it_cannot_run_is_refused_and_auto_takes_padded(tiny_model_dir):
+    half = models.load_model(tiny_model_dir, "cpu", "bfloat16")  # (the kernel reads float32)
+    assert FlatModel(half, attention="auto").attention == "padded"
+    with pytest.raises(UnsupportedAttention, match="use auto or padded"):
+        FlatModel(half, attention="paged")

@@ -324,7 +324,9 @@ def fingerprint(path: Path, manifest: dict) -> str:
     return digest.hexdigest()
 
 
-def served_version(ref: ModelRef, sha256: str, *, dtype: str, device: str) -> str:
+def served_version(
+    ref: ModelRef, sha256: str, *, dtype: str, device: str, attention: str = "paged"
+) -> str:
     """The version a stream's tokens are labelled with: name@version (or the directory's
     name), the weights' sha256 prefix, and the settings that change greedy outputs: the
     dtype the weights run in and the kind of device (its kernels round differently; cuda:0
@@ -332,9 +334,13 @@ def served_version(ref: ModelRef, sha256: str, *, dtype: str, device: str) -> st
     `qwen2.5-coder-1.5b-instruct@0.2.0:cc324af070c2:bfloat16:cpu`. Equal strings mean
     identical greedy outputs (in float32; see README on bfloat16). int4 on a CPU where the
     engine's kernel does not run (engine/quant.py: int4_layout) is `int4-torch`: torch's
-    kernel rounds differently."""
+    kernel rounds differently. A CPU running torch's padded attention where the engine's
+    paged kernel applies (float32 activations: verifier.attention, or the kernels not built)
+    is `cpu-padded`."""
     name = Path(ref.path).name if ref.path else f"{ref.name}@{ref.version}"
     kind = device.partition(":")[0]
+    if kind == "cpu" and attention == "padded" and dtype in ("float32", "int8", "int4"):
+        kind = "cpu-padded"
     if dtype == "int4" and kind == "cpu":
         import torch
 

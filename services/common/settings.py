@@ -374,6 +374,14 @@ class VerifierSettings(ServiceSettings):
     device: Device = "cpu"
     dtype: Dtype = Field(default="float32", description=DTYPE_HELP)
     compile: bool = Field(default=False, description=COMPILE_HELP)
+    attention: Literal["auto", "padded", "paged"] = Field(
+        default="auto",
+        description="Attention kernel. paged: the engine's CPU kernel, reading each "
+        "sequence's KV in place through its slots (float32 activations on a CPU, eager); "
+        "padded: torch's SDPA over the entries gathered into a padded batch (any device); "
+        "auto: paged where it runs (on this CPU it measured faster at every batch), else "
+        "padded. An explicit paged where it cannot run stops the start.",
+    )
     batch_size: int = Field(default=8, ge=1, description="Most sequences in the running batch.")
     interactive_reserved_slots: int = Field(
         default=1, ge=0, description="Batch slots that batch-class work may not take."

@@ -62,3 +62,32 @@ def read_kv(pool: KVPool, layer: int, group: AttentionGroup) -> tuple[torch.Tens
         values = pool.values[layer].index_select(0, slots)
     shape = (b, l_max, *keys.shape[1:])
     return keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
+
+
+def attend_paged(pool: KVPool, layer: int, batch: Batch, q: torch.Tensor) -> torch.Tensor:
+    """attend's result through the engine's CPU kernel (kernels/attention_cpu.cpp): each
+    sequence's entries read in place through its slots, masked entries skipped, no padding."""
+    if len(batch.groups) == 1:
+        return paged_group(pool, layer, batch.groups[0], q)
+    out = torch.empty_like(q)
+    for group in batch.groups:
+        out[group.rows] = paged_group(pool, layer, group, q[group.rows])
+    return out
+
+
+def paged_group(pool: KVPool, layer: int, group: AttentionGroup, q: torch.Tensor) -> torch.Tensor:
+    if group.kv_slots is None:  # one sequence's contiguous entries: their slots, once a step
+        first, length = group.kv_range
+        group.kv_slots = torch.arange(first, first + length, device=q.device)[None]
+    return torch.ops.specserve.paged_attention(
+        q,
+        pool.keys[layer],
+        pool.values[layer],
+        group.kv_slots,
+        _NONE if group.mask is None else group.mask,
+        _NONE if group.output_index is None else group.output_index,
+        q.shape[-1] ** -0.5,
+    )
+
+
+_NONE = torch.empty(0, dtype=torch.long)  # (the kernel's "no mask", "no row index")

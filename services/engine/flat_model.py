@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import attend, write_kv
+from .attention import attend, attend_paged, write_kv
 from .batch import Batch, Segment, Step, place
 from .compiler import CompileFailed, Compiler
 from .gemm import column_major_head
 from .hugepages import to_huge_pages
 from .kv_cache import BLOCK_SIZE, KVPool, OutOfBlocks, SequenceKV
-from .layers import DecoderLayer, RotaryTable, rms_norm
+from .layers import CpuOps, DecoderLayer, RotaryTable, layer_ops
 from .tensor_parallel import Shards, ShardsLost
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,13 @@ __all__ = [
 
 class UnsupportedModel(ValueError):
     """The model's architecture is not one this forward implements."""
+
+
+class UnsupportedAttention(ValueError):
+    """The attention kernel asked for does not run for this model, device and dtype."""
+
+
+ATTENTION = ("auto", "padded", "paged")
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class FlatModel:
         block_size: int = BLOCK_SIZE,
         compiler: Compiler | None = None,
         shards: Shards | None = None,
+        attention: str = "auto",
     ):
         config = hf_model.config
         if config.model_type not in SUPPORTED:
@@ -90,10 +98,13 @@ class FlatModel:
         self.head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
+        self.ops = layer_ops(hf_model, compiled=compiler is not None)
         self.layers = [
-            DecoderLayer(layer, self.num_heads, self.kv_heads, self.head_dim)
+            DecoderLayer(layer, self.num_heads, self.kv_heads, self.head_dim, self.ops)
             for layer in self.body.layers
         ]
+        self.attention = self._attention(attention)
+        self.attend = attend_paged if self.attention == "paged" else attend
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
         if self.device.type == "cpu":
@@ -117,6 +128,20 @@ class FlatModel:
             else:
                 self.out, self.mlp = compiler(DecoderLayer.out), compiler(DecoderLayer.mlp)
 
+    def _attention(self, asked: str) -> str:
+        """The attention kernel to run: `asked`, or for auto paged where it runs (the engine's
+        CPU kernels loaded for float32 activations, eager; head_dim a multiple of 8)."""
+        if asked not in ATTENTION:
+            raise UnsupportedAttention(f"attention {asked!r}: one of {', '.join(ATTENTION)}")
+        runs = isinstance(self.ops, CpuOps) and self.head_dim % 8 == 0
+        if asked == "paged" and not runs:
+            raise UnsupportedAttention(
+                "paged attention runs on a CPU with the engine's kernels built, float32 "
+                "activations (float32, int8 or int4 weights), compile off and head_dim a "
+                "multiple of 8; use auto or padded"
+            )
+        return asked if asked != "auto" else "paged" if runs else "padded"
+
     @classmethod
     def prepare(
         cls,
@@ -127,12 +152,15 @@ class FlatModel:
         on_graph=None,
         kv_tokens: int = 4096,
         shards: Shards | None = None,
+        attention: str = "auto",
     ) -> tuple[FlatModel, float]:
         """A FlatModel, compiled when `compile`, and warmed up; with the warm-up's seconds.
         A compile failure raises CompileFailed naming the config `key` (the caller's start
         stops on it)."""
         compiler = Compiler(on_graph) if compile else None
-        model = cls(hf_model, kv_tokens=kv_tokens, compiler=compiler, shards=shards)
+        model = cls(
+            hf_model, kv_tokens=kv_tokens, compiler=compiler, shards=shards, attention=attention
+        )
         try:
             seconds = model.warm_up()
         except CompileFailed as e:
@@ -142,7 +170,12 @@ class FlatModel:
             ) from e
         log.info(
             "forward ready",
-            extra={"compile": compile, "seconds": round(seconds, 1), "graphs": model.graphs},
+            extra={
+                "compile": compile,
+                "attention": model.attention,
+                "seconds": round(seconds, 1),
+                "graphs": model.graphs,
+            },
         )
         return model, seconds
 
@@ -246,13 +279,13 @@ class FlatModel:
         for index, layer in enumerate(self.layers):
             q, k, v = self.front(layer, hidden, cos, sin)
             write_kv(self.pool, index, batch, k, v)
-            attended = attend(self.pool, index, batch, q)
+            attended = self.attend(self.pool, index, batch, q)
             if shards is None:
                 hidden = self.back(layer, hidden, attended)
             else:  # row-parallel products: each rank's is a partial sum
                 hidden = hidden + shards.reduce(self.out(layer, attended))
                 hidden = hidden + shards.reduce(self.mlp(layer, hidden))
-        hidden = rms_norm(self.body.norm, hidden[batch.logit_rows])  # [rows, hidden]
+        hidden = self.ops.rms_norm(self.body.norm, hidden[batch.logit_rows])  # [rows, hidden]
         logits = self.hf.lm_head(hidden).float()
         if shards is not None and (logits := shards.gather_vocab(logits)) is None:
             return []

@@ -65,6 +65,7 @@ class RankSpec:
     timeout_s: float
     threads: int  # torch threads per rank; 0: torch's default
     compile: bool
+    attention: str
     log_level: str
 
 
@@ -95,6 +96,7 @@ class Ranks:
             timeout_s=timeout_s,
             threads=settings.torch_threads,
             compile=settings.compile,
+            attention=settings.attention,
             log_level=settings.log_level,
         )
         command = [sys.executable, "-m", "specserve.verifier.ranks"]
@@ -232,7 +234,12 @@ def follow(rank: int, spec: RankSpec) -> int:
         Path(spec.path), device, spec.dtype, setting="verifier.dtype", shard=(rank, spec.world)
     )
     store.set(f"loaded/{rank}", str(models.weight_bytes(model)))
-    flat = FlatModel(model, compiler=Compiler() if spec.compile else None, shards=shards)
+    flat = FlatModel(
+        model,
+        compiler=Compiler() if spec.compile else None,
+        shards=shards,
+        attention=spec.attention,
+    )
     try:
         flat.follow()
     finally:

@@ -20,7 +20,7 @@ from ..common.grammar import Grammars
 from ..common.grpc_server import Server
 from ..common.settings import ConfigError, VerifierSettings
 from ..common.store import RequestStore, heartbeat_forever, now_ms
-from ..engine.flat_model import CompileFailed, FlatModel
+from ..engine.flat_model import CompileFailed, FlatModel, UnsupportedAttention
 from ..engine.tensor_parallel import ShardError, shard_config
 from ..v1 import common_pb2
 from ..v1 import verifier_pb2 as pb
@@ -117,14 +117,18 @@ class Served:
     config: str  # sha256 prefix of the settings, less PLACE_KEYS
 
     @classmethod
-    def of(cls, settings: VerifierSettings, sha256: str) -> Served:
+    def of(cls, settings: VerifierSettings, sha256: str, attention: str = "paged") -> Served:
         shape = settings.model_dump(mode="json", exclude=PLACE_KEYS)
         config = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
         return cls(
             pool=settings.pool,
             model=settings.model.label,
             version=models.served_version(
-                settings.model, sha256, dtype=settings.dtype, device=settings.device
+                settings.model,
+                sha256,
+                dtype=settings.dtype,
+                device=settings.device,
+                attention=attention,
             ),
             sha256=sha256,
             config=config[:12],
@@ -379,11 +383,14 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
             key="verifier.compile",
             on_graph=lambda _: metrics.COMPILED_GRAPHS.inc(),
             shards=ranks and ranks.shards,
+            attention=settings.attention,
         )
     except CompileFailed as e:
         raise ConfigError(str(e)) from e
+    except UnsupportedAttention as e:
+        raise ConfigError(f"verifier.attention: {e}") from e
     metrics.WARM_UP_SECONDS.set(warm_up_s)
-    served = Served.of(settings, models.fingerprint(path, manifest))
+    served = Served.of(settings, models.fingerprint(path, manifest), flat.attention)
     budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)
     pool = flat.use_pool(  # (allocated now; its pages are touched as blocks fill)
         budget, settings.kv_block_size, fixed=True, model_version=served.version

@@ -24,7 +24,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("int4_cpu.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("int4_cpu.cpp", "layer_cpu.cpp", "attention_cpu.cpp")
+]
 INCLUDED = [Path(__file__).with_name("int4_rows.inc")]  # (torch's builder hashes SOURCES only)
 GROUP = 32  # inputs per int4 scale/offset pair
 BLOCK_GROUPS = 8  # groups per block of the int4 layout
