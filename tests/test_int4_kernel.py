@@ -37,6 +37,24 @@ def test_the_product_is_the_encoded_weights_times_the_activations(out, inputs):
     assert (y - exact).abs().max() <= 0.01 * exact.abs().max()
 
 
+@pytest.mark.parametrize(
+    "out,inputs,dtype",
+    [(37, 256, torch.float32), (300, 1536, torch.bfloat16), (20, 200, torch.float32)],
+)
+def test_the_kernels_quantiser_writes_the_bits_of_the_reference_layout(out, inputs, dtype):
+    """int4_quantize (C++, one pass) against quant.int4_codes + kernels.int4_blocks (torch's
+    ops), inputs padded with zero weights to whole blocks; groups that are flat or all zero
+    included."""
+    w = (torch.randn(out, inputs, generator=torch.Generator().manual_seed(2)) * 0.05).to(dtype)
+    w[0], w[1, :64] = 0.0, 0.25
+    padded = torch.nn.functional.pad(w.float(), (0, -inputs % kernels.BLOCK_INPUTS))
+    codes, scales, offsets = quant.int4_codes(padded)
+    want = kernels.int4_blocks(codes, scales.to(torch.bfloat16), offsets.to(torch.bfloat16))
+    got = kernels.int4_quantize(w)
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
+
+
 def test_every_row_count_gives_each_row_the_value_it_has_alone():
     """1 to 21 rows: every tiling of the rows (4 at a time, the rest 3, 2 or 1; spans of blocks
     shorter as rows grow) leaves each output bit for bit what its row gives alone."""

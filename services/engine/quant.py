@@ -125,22 +125,16 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.layout = int4_layout(linear.weight.device)
-        blocks = self.layout == "blocks"
-
-        def convert(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            if blocks:  # zero weights pad the inputs to whole blocks
-                rows = nn.functional.pad(rows, (0, -rows.shape[1] % kernels.BLOCK_INPUTS))
-            codes, scales, offsets = int4_codes(rows)
-            scales, offsets = scales.to(KERNEL_DTYPE), offsets.to(KERNEL_DTYPE)
-            if blocks:
-                return kernels.int4_blocks(codes, scales, offsets)
-            return _pack_int4(codes), scales, offsets
-
-        if blocks:
-            packed, pairs = by_rows(convert, linear.weight.detach())
+        if self.layout == "blocks":  # the kernels' own quantiser (kernels.int4_quantize)
+            packed, pairs = kernels.int4_quantize(linear.weight.detach())
             self.register_buffer("packed", packed)  # [out, padded in / 2] uint8
             self.register_buffer("scale_offset", pairs)  # [out, padded in / 256, 16]
         else:
+
+            def convert(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                codes, scales, offsets = int4_codes(rows)
+                return _pack_int4(codes), scales.to(KERNEL_DTYPE), offsets.to(KERNEL_DTYPE)
+
             packed, scales, offsets = by_rows(convert, linear.weight.detach())
             pairs = torch.stack([scales, offsets], dim=-1).transpose(0, 1)  # [in / G, out, 2]
             self.register_buffer("scale_offset", pairs.contiguous())

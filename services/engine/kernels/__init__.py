@@ -8,6 +8,12 @@
   and for `choose_int4_path`'s timing).
   `quant.Int4Linear` uses it on such CPUs; elsewhere torch's int4 kernels.
 
+- `layer_cpu.cpp`: a decoder layer's small float32 ops as one op each (`rms_norm`,
+  `rotary`; layers.CpuOps), and `int4_quantize`, which writes int4_mm's layout from float
+  weights.
+- `attention_cpu.cpp`: `paged_attention`, attention that reads each sequence's KV in place
+  through its slots (attention.attend_paged).
+
 `python -m specserve.engine.kernels` builds them (`make setup` does, so no service start
 waits on a compiler) and prints what was built.
 """
@@ -156,6 +162,15 @@ def int4_blocks(
     packed = (pairs[:, :, :, 0] | pairs[:, :, :, 1] << 4).reshape(out, inputs // 2)
     shape = (out, blocks, BLOCK_GROUPS)
     return packed, torch.cat([scales.reshape(shape), offsets.reshape(shape)], dim=-1)
+
+
+def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] float32 or bfloat16 on the CPU -> (packed, scale_offset) in int4_mm's
+    layout, the inputs padded with zero weights to whole blocks: the bits of
+    `int4_blocks(*quant.int4_codes(padded weight))` with the scales and offsets in bfloat16,
+    computed in one pass in C++ (layer_cpu.cpp; the default target's layers in about 3.5 s here
+    against 13.5 s through torch's ops)."""
+    return torch.ops.specserve.int4_quantize(weight)
 
 
 def int4_mm(x: torch.Tensor, codes: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
