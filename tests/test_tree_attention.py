@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import DEVICE
 from helpers import make_sequence
 from specserve.common import models
 from specserve.common.tree import DraftTree
@@ -14,9 +15,15 @@ from specserve.engine.batch import Batch
 from specserve.engine.flat_model import FlatModel, Segment, UnsupportedAttention
 from specserve.verifier.runner import tree_segment
 
+CPU_KERNELS = pytest.mark.skipif(
+    not kernels.cpu_supported(), reason="the engine's CPU kernels are for x86 with AVX2"
+)
+
 
 @pytest.fixture(params=["padded", "paged"])
 def attention(request) -> str:
+    if request.param == "paged" and (DEVICE != "cpu" or not kernels.cpu_supported()):
+        pytest.skip("the paged kernel serves float32 activations on an x86 CPU")
     return request.param
 
 
@@ -122,6 +129,7 @@ def test_a_step_mixing_prompt_chunks_with_trees_attends_in_two_groups(tiny_model
         torch.testing.assert_close(tree_rows[node + 1], expected, atol=1e-4, rtol=1e-4)
 
 
+@CPU_KERNELS
 def test_the_paged_kernel_gives_a_sequence_the_same_bits_whatever_its_batch():
     """A token's attention reads only what its mask shows, summed in an order that does not
     depend on the other sequences of the call (their lengths pad L)."""
@@ -153,6 +161,7 @@ def test_the_paged_kernel_gives_a_sequence_the_same_bits_whatever_its_batch():
     torch.testing.assert_close(alone[2], (weights @ v).reshape(4, 16), atol=1e-6, rtol=1e-5)
 
 
+@CPU_KERNELS
 def test_paged_attention_where_it_cannot_run_is_refused_and_auto_takes_padded(tiny_model_dir):
     half = models.load_model(tiny_model_dir, "cpu", "bfloat16")  # (the kernel reads float32)
     assert FlatModel(half, attention="auto").attention == "padded"
