@@ -12,6 +12,7 @@ from conftest import DEVICE
 from reference_acceptance import walk
 from specserve.common.tree import DraftTree
 from specserve.drafter.draft_model import gumbel_order
+from specserve.engine import kernels
 from specserve.verifier.acceptance import Candidates, Verdict, accept, select
 from specserve.verifier.sampling import SamplingParams, target_probs
 
@@ -391,3 +392,18 @@ def test_the_check_catches_a_grammar_applied_after_the_draw():
 
     counts = masked_first_tokens(after_the_draw, params)
     assert chi_square(counts, constrained_probs(params)) > 10 * CHI2_CRITICAL
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the engine's CPU kernels do not run here")
+def test_greedy_selections_argmax_is_torchs_to_the_index():
+    """kernels.argmax (the CPU kernel greedy selection takes) against torch.argmax: the first
+    index of the largest value, ties, -inf rows, inf, the first NaN, strided rows, short rows."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 1003, generator=g)
+    x[1, 5], x[1, 900] = float("nan"), float("nan")
+    x[2] = float("-inf")
+    x[3, 10] = x[3, 20] = 100.0
+    x[4] = 1.0
+    x[5, 1002] = float("inf")
+    for case in (x, torch.randn(9, 2000, generator=g)[:, :1500], torch.randn(3, 5, generator=g)):
+        assert kernels.argmax(case).tolist() == case.argmax(-1).tolist()

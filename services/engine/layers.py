@@ -26,16 +26,12 @@ On the 36M proxy of the default target these took a verifier step's ATen ops fro
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .gemm import WideLinear
 from .quant import Int4Linear, Int8Linear
-
-log = logging.getLogger(__name__)
 
 
 class DecoderLayer(nn.Module):
@@ -159,16 +155,7 @@ def layer_ops(hf_model: nn.Module, compiled: bool) -> TorchOps | CpuOps:
         return TorchOps()
     from . import kernels
 
-    if not kernels.cpu_supported():
-        return TorchOps()
-    try:
-        kernels.load()
-    except kernels.KernelError as e:
-        log.warning(
-            "the engine's CPU kernels did not load: torch's ops instead", extra={"error": str(e)}
-        )
-        return TorchOps()
-    return CpuOps()
+    return CpuOps() if kernels.available() else TorchOps()
 
 
 @torch.no_grad()

@@ -42,6 +42,7 @@ import torch
 
 from ..common.grammar import apply_masks
 from ..common.tree import DraftTree
+from ..engine import kernels
 from ..engine.batch import Packer
 from . import rejection
 from .sampling import SamplingParams
@@ -131,7 +132,7 @@ def _greedy_choices(group: list[Candidates], layout: Layout) -> tuple[torch.Tens
     if not group:
         none = torch.zeros(0, dtype=torch.long, device=layout.tokens.device)
         return none.bool(), none
-    best = stacked([c.logits for c in group]).argmax(-1)  # [rows]
+    best = kernels.argmax(stacked([c.logits for c in group]))  # [rows]
     nodes = layout.nodes[len(group)]
     parents = layout.parent_rows[:nodes]
     chosen = (layout.tokens[:nodes] == best[parents]) & layout.first[:nodes]  # [nodes]

@@ -14,6 +14,9 @@
 - `attention_cpu.cpp`: `paged_attention`, attention that reads each sequence's KV in place
   through its slots (attention.attend_paged).
 
+- `select_cpu.cpp`: `argmax_rows`, torch.argmax over the vocabulary streamed with AVX2
+  (greedy selection; `argmax`).
+
 `python -m specserve.engine.kernels` builds them (`make setup` does, so no service start
 waits on a compiler) and prints what was built.
 """
@@ -32,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("int4_cpu.cpp", "layer_cpu.cpp", "attention_cpu.cpp")
+    for name in ("int4_cpu.cpp", "layer_cpu.cpp", "attention_cpu.cpp", "select_cpu.cpp")
 ]
 INCLUDED = [Path(__file__).with_name("int4_rows.inc")]  # (torch's builder hashes SOURCES only)
 GROUP = 32  # inputs per int4 scale/offset pair
@@ -162,6 +165,27 @@ def int4_blocks(
     packed = (pairs[:, :, :, 0] | pairs[:, :, :, 1] << 4).reshape(out, inputs // 2)
     shape = (out, blocks, BLOCK_GROUPS)
     return packed, torch.cat([scales.reshape(shape), offsets.reshape(shape)], dim=-1)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels run here (built and loaded; once per process)."""
+    if not cpu_supported():
+        return False
+    try:
+        load()
+    except KernelError as e:
+        log.warning("the engine's CPU kernels did not load", extra={"error": str(e)})
+        return False
+    return True
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) of a 2-D tensor, through argmax_rows for float32 on a CPU where the
+    kernels run (the same indices: the first of the largest value, or of the first NaN)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and available():
+        return torch.ops.specserve.argmax_rows(x)
+    return x.argmax(-1)
 
 
 def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
