@@ -1,5 +1,6 @@
 // A decoder layer's small float32 ops as one kernel each, on the CPU (specserve::rms_norm,
-// specserve::rotary). Each replaces several ATen ops whose dispatch, not their arithmetic, is
+// specserve::rotary), and the quantiser that writes int4_mm's layout at load
+// (specserve::int4_quantize, at the end). Each replaces several ATen ops whose dispatch, not their arithmetic, is
 // their cost at decode sizes: torch's rms_norm on the CPU runs about ten ops (one row of 896
 // took 40-47 us), rotary positions six (a slice, a negation, a concatenation, two products and
 // a sum). Same arithmetic as the ops they replace, in float32, products and sums rounded apart
