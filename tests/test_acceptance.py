@@ -394,7 +394,10 @@ def test_the_check_catches_a_grammar_applied_after_the_draw():
     assert chi_square(counts, constrained_probs(params)) > 10 * CHI2_CRITICAL
 
 
-@pytest.mark.skipif(not kernels.available(), reason="the engine's CPU kernels do not run here")
+@pytest.mark.skipif(
+    DEVICE != "cpu" or not kernels.available(),
+    reason="the engine's CPU kernels: x86 with AVX2, the CPU as the test device",
+)
 def test_greedy_selections_argmax_is_torchs_to_the_index():
     """kernels.argmax (the CPU kernel greedy selection takes) against torch.argmax: the first
     index of the largest value, ties, -inf rows, inf, the first NaN, strided rows, short rows."""

@@ -16,7 +16,8 @@ from specserve.engine.flat_model import FlatModel, Segment, UnsupportedAttention
 from specserve.verifier.runner import tree_segment
 
 CPU_KERNELS = pytest.mark.skipif(
-    not kernels.cpu_supported(), reason="the engine's CPU kernels are for x86 with AVX2"
+    DEVICE != "cpu" or not kernels.cpu_supported(),
+    reason="the engine's CPU kernels: x86 with AVX2, the CPU as the test device",
 )
 
 
