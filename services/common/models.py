@@ -341,7 +341,7 @@ def served_version(
     kind = device.partition(":")[0]
     if kind == "cpu" and attention == "padded" and dtype in ("float32", "int8", "int4"):
         kind = "cpu-padded"
-    if dtype == "int4" and kind == "cpu":
+    if dtype == "int4" and kind.startswith("cpu"):
         import torch
 
         from ..engine import quant

@@ -7,13 +7,11 @@
   or 256-bit registers where the CPU has them (`int4_mm_path` runs one path, for the tests
   and for `choose_int4_path`'s timing).
   `quant.Int4Linear` uses it on such CPUs; elsewhere torch's int4 kernels.
-
 - `layer_cpu.cpp`: a decoder layer's small float32 ops as one op each (`rms_norm`,
   `rotary`; layers.CpuOps), and `int4_quantize`, which writes int4_mm's layout from float
   weights.
 - `attention_cpu.cpp`: `paged_attention`, attention that reads each sequence's KV in place
   through its slots (attention.attend_paged).
-
 - `select_cpu.cpp`: `argmax_rows`, torch.argmax over the vocabulary streamed with AVX2
   (greedy selection; `argmax`).
 
