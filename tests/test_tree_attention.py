@@ -15,16 +15,15 @@ from specserve.engine.batch import Batch
 from specserve.engine.flat_model import FlatModel, Segment, UnsupportedAttention
 from specserve.verifier.runner import tree_segment
 
-CPU_KERNELS = pytest.mark.skipif(
-    DEVICE != "cpu" or not kernels.cpu_supported(),
-    reason="the engine's CPU kernels: x86 with AVX2, the CPU as the test device",
-)
+KERNELS_RUN = DEVICE == "cpu" and kernels.cpu_supported()
+WHY_NOT = "the engine's CPU kernels: x86 with AVX2, the CPU as the test device"
+CPU_KERNELS = pytest.mark.skipif(not KERNELS_RUN, reason=WHY_NOT)
 
 
 @pytest.fixture(params=["padded", "paged"])
 def attention(request) -> str:
-    if request.param == "paged" and (DEVICE != "cpu" or not kernels.cpu_supported()):
-        pytest.skip("the paged kernel serves float32 activations on an x86 CPU")
+    if request.param == "paged" and not KERNELS_RUN:
+        pytest.skip(WHY_NOT)
     return request.param
 
 
@@ -60,9 +59,8 @@ def test_every_tree_node_matches_a_plain_pass_over_its_path(tiny_model, attentio
 
 
 def test_keeping_an_accepted_path_leaves_the_cache_of_that_path(tiny_model, attention):
-    flat = FlatModel(
-        tiny_model, kv_tokens=16, block_size=4, attention=attention
-    )  # small: the pool has to grow
+    # a small pool: it has to grow
+    flat = FlatModel(tiny_model, kv_tokens=16, block_size=4, attention=attention)
     prompt = list(range(100, 130))
     seq = make_sequence(prompt)
     seq.kv = flat.new_kv()
