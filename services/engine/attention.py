@@ -26,11 +26,17 @@ def write_kv(pool: KVPool, layer: int, batch: Batch, k: torch.Tensor, v: torch.T
 def attend(pool: KVPool, layer: int, batch: Batch, q: torch.Tensor) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim], every new token attending to the
     entries the step's mask lets it see (its KV must be written first): one call per group."""
+    return by_group(attend_group, pool, layer, batch, q)
+
+
+def by_group(kernel, pool: KVPool, layer: int, batch: Batch, q: torch.Tensor) -> torch.Tensor:
+    """`kernel(pool, layer, group, q of its rows)` for each of the step's groups, the results
+    put back in batch order."""
     if len(batch.groups) == 1:
-        return attend_group(pool, layer, batch.groups[0], q)
+        return kernel(pool, layer, batch.groups[0], q)
     out = torch.empty_like(q)
     for group in batch.groups:
-        out[group.rows] = attend_group(pool, layer, group, q[group.rows])
+        out[group.rows] = kernel(pool, layer, group, q[group.rows])
     return out
 
 
@@ -67,12 +73,7 @@ def read_kv(pool: KVPool, layer: int, group: AttentionGroup) -> tuple[torch.Tens
 def attend_paged(pool: KVPool, layer: int, batch: Batch, q: torch.Tensor) -> torch.Tensor:
     """attend's result through the engine's CPU kernel (kernels/attention_cpu.cpp): each
     sequence's entries read in place through its slots, masked entries skipped, no padding."""
-    if len(batch.groups) == 1:
-        return paged_group(pool, layer, batch.groups[0], q)
-    out = torch.empty_like(q)
-    for group in batch.groups:
-        out[group.rows] = paged_group(pool, layer, group, q[group.rows])
-    return out
+    return by_group(paged_group, pool, layer, batch, q)
 
 
 def paged_group(pool: KVPool, layer: int, group: AttentionGroup, q: torch.Tensor) -> torch.Tensor:
