@@ -13,7 +13,15 @@ from reference_acceptance import walk
 from specserve.common.tree import DraftTree
 from specserve.drafter.draft_model import gumbel_order
 from specserve.engine import kernels
-from specserve.verifier.acceptance import Candidates, Verdict, accept, select
+from specserve.verifier.acceptance import (
+    Candidates,
+    NonFinite,
+    Verdict,
+    accept,
+    select,
+    select_on_device,
+    select_walked,
+)
 from specserve.verifier.sampling import SamplingParams, target_probs
 
 V = 6
@@ -394,10 +402,13 @@ def test_the_check_catches_a_grammar_applied_after_the_draw():
     assert chi_square(counts, constrained_probs(params)) > 10 * CHI2_CRITICAL
 
 
-@pytest.mark.skipif(
+CPU_KERNELS = pytest.mark.skipif(
     DEVICE != "cpu" or not kernels.available(),
     reason="the engine's CPU kernels: x86 with AVX2, the CPU as the test device",
 )
+
+
+@CPU_KERNELS
 def test_greedy_selections_argmax_is_torchs_to_the_index():
     """kernels.argmax (the CPU kernel greedy selection takes) against torch.argmax: the first
     index of the largest value, ties, -inf rows, inf, the first NaN, strided rows, short rows."""
@@ -410,3 +421,39 @@ def test_greedy_selections_argmax_is_torchs_to_the_index():
     x[5, 1002] = float("inf")
     for case in (x, torch.randn(9, 2000, generator=g)[:, :1500], torch.randn(3, 5, generator=g)):
         assert kernels.argmax(case).tolist() == case.argmax(-1).tolist()
+        finite = torch.isfinite(case).all(-1)
+        want = torch.where(finite, case.argmax(-1), -1)  # greedy_rows: -1 where not all finite
+        assert kernels.greedy_rows(case).tolist() == want.tolist()
+
+
+@CPU_KERNELS
+def test_the_host_walk_gives_the_verdicts_of_the_device_layout():
+    """On a CPU, a greedy batch without grammars is selected by walking each tree on the host
+    (select_walked); it must give exactly what the layout's tensors give (select_on_device),
+    NonFinite included: random trees (siblings repeating a token too), rows with a NaN, an
+    inf or a -inf in them."""
+    gen = torch.Generator().manual_seed(11)
+    vocab, deep, broken = 8, 0, 0
+    for _ in range(80):
+        batch = []
+        for _ in range(int(torch.randint(1, 7, (), generator=gen))):
+            tree = random_tree(gen, int(torch.randint(0, 17, (), generator=gen)), vocab, False)
+            rows = random_rows(gen, tree, vocab)
+            if torch.rand((), generator=gen) < 0.15:
+                bad = [float("nan"), float("inf"), float("-inf")][
+                    int(torch.randint(3, (), generator=gen))
+                ]
+                rows[int(torch.randint(len(rows), (), generator=gen)), 3] = bad
+            batch.append(Candidates(tree, rows, GREEDY))
+        walked, layout = select_walked(batch), select_on_device(batch)
+        assert walked is not None
+        for w, d in zip(walked, layout, strict=True):
+            if isinstance(d, NonFinite):
+                assert isinstance(w, NonFinite)
+                broken += 1
+            else:
+                assert (w.accepted, w.tokens) == (d.accepted, d.tokens)
+                deep += len(w.accepted) >= 2
+    assert deep > 50 and broken > 10
+    mixed = [Candidates(DraftTree(), one_hot_rows([1]), SamplingParams(temperature=0.8))]
+    assert select_walked(mixed) is None  # sampling sequences take the device's path

@@ -30,6 +30,11 @@ its ancestors were chosen (the tree's ancestor mask), which is exactly the walk'
   deciding off the walked path too changes nothing in distribution. Once the path is known
   (the transfer above), the bonus tokens are drawn on the device and read in a second one.
 - On the host: the trees' layout (lists into tensors) and the verdicts (tensors into lists).
+- Where the logits are on a CPU whose kernels run (the host is the device) and every sequence
+  is greedy without a grammar: one pass over the logits takes each row's argmax and its
+  finite check together (kernels.greedy_rows), and each tree is walked on the host, a loop
+  over its nodes (`walk`), instead of the ~25 small ops of the layout's tensors: the same
+  verdicts (a test holds them equal), about 1.3 ms less a step at batch 1.
 """
 
 from __future__ import annotations
@@ -83,6 +88,12 @@ def select(batch: list[Candidates]) -> list[Verdict | NonFinite]:
     sequence whose logits are not all finite gets NonFinite instead."""
     if not batch:
         return []
+    walked = select_walked(batch)
+    return walked if walked is not None else select_on_device(batch)
+
+
+def select_on_device(batch: list[Candidates]) -> list[Verdict | NonFinite]:
+    """`select` where the logits are, for any batch (the module's docstring)."""
     order = sorted(range(len(batch)), key=lambda i: not batch[i].params.greedy)
     ordered = [batch[i] for i in order]
     greedy = sum(c.params.greedy for c in ordered)  # the first `greedy` of `ordered`
@@ -114,6 +125,39 @@ def select(batch: list[Candidates]) -> list[Verdict | NonFinite]:
         for index, path, c, token in zip(order, paths, ordered, tokens, strict=True)
     }
     return [verdicts[i] for i in range(len(batch))]
+
+
+def select_walked(batch: list[Candidates]) -> list[Verdict | NonFinite] | None:
+    """`select` of a greedy batch without grammars whose logits lie on a CPU where the
+    kernels run: each row's argmax and finite check in one pass, read once, and each tree
+    walked; None for any other batch."""
+    if not all(c.params.greedy and c.mask is None for c in batch):
+        return None
+    logits = stacked([c.logits for c in batch])
+    best = kernels.greedy_rows(logits)
+    if best is None:
+        return None
+    best = best.tolist()  # the step's one read
+    verdicts: list[Verdict | NonFinite] = []
+    row = 0
+    for c in batch:
+        rows = best[row : row + len(c.tree) + 1]
+        row += len(rows)
+        verdicts.append(NonFinite() if min(rows) < 0 else walk(c.tree, rows))
+    return verdicts
+
+
+def walk(tree: DraftTree, best: list[int]) -> Verdict:
+    """The greedy walk down `tree`, `best` the target's choice after the root (row 0) and
+    after each node (row i + 1): from the root, the first child whose token is the choice
+    after its parent, for as long as there is one; then the choice after the last as the
+    bonus. One scan in node order: a node's children come after it (DraftTree.add)."""
+    path, at = [], -1
+    for i, (token, parent) in enumerate(zip(tree.token_ids, tree.parents, strict=True)):
+        if parent == at and token == best[at + 1]:
+            path.append(i)
+            at = i
+    return Verdict(path, [tree.token_ids[i] for i in path] + [best[at + 1]])
 
 
 class NonFinite(ValueError):

@@ -13,7 +13,8 @@
 - `attention_cpu.cpp`: `paged_attention`, attention that reads each sequence's KV in place
   through its slots (attention.attend_paged).
 - `select_cpu.cpp`: `argmax_rows`, torch.argmax over the vocabulary streamed with AVX2
-  (greedy selection; `argmax`).
+  (greedy selection; `argmax`), and `greedy_rows`, the same with the finite check of the
+  logits in the pass (`greedy_rows`).
 
 `python -m specserve.engine.kernels` builds them (`make setup` does, so no service start
 waits on a compiler) and prints what was built.
@@ -184,6 +185,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and available():
         return torch.ops.specserve.argmax_rows(x)
     return x.argmax(-1)
+
+
+def greedy_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """[rows] int64 of a 2-D float32 tensor on a CPU where the kernels run: each row's argmax
+    (as `argmax`), or -1 where the row holds a NaN or an inf, in one pass over x; None for any
+    other tensor (its caller then takes torch's ops)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and available():
+        return torch.ops.specserve.greedy_rows(x)
+    return None
 
 
 def int4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
