@@ -13,6 +13,7 @@ from reference_acceptance import walk
 from specserve.common.tree import DraftTree
 from specserve.drafter.draft_model import gumbel_order
 from specserve.engine import kernels
+from specserve.verifier import rejection
 from specserve.verifier.acceptance import (
     Candidates,
     NonFinite,
@@ -208,13 +209,23 @@ def sampled_tree(gen: torch.Generator, siblings: int, with_dist: bool) -> DraftT
     return tree
 
 
+def in_one_buffer(trees: list[DraftTree]) -> list[torch.Tensor]:
+    """Each tree's rows (every one P) as the forward pass leaves them: views of one buffer,
+    back to back (so that, on a CPU, sampling reads them through the kernels in place)."""
+    sizes = [len(t) + 1 for t in trees]
+    return list(ROWS.repeat(sum(sizes), 1).split(sizes))
+
+
 def first_tokens(sampler, params: SamplingParams, siblings: int, with_dist=True) -> torch.Tensor:
     """The first emitted token of TRIALS trials, run BATCH sequences to a `sampler` call."""
     gen, draws = torch.Generator().manual_seed(1234), device_generator(1234)
     counts = torch.zeros(V)
     for _ in range(TRIALS // BATCH):
         trees = [sampled_tree(gen, siblings, with_dist) for _ in range(BATCH)]
-        batch = [Candidates(t, ROWS.repeat(len(t) + 1, 1), params, draws) for t in trees]
+        batch = [
+            Candidates(t, rows, params, draws)
+            for t, rows in zip(trees, in_one_buffer(trees), strict=True)
+        ]
         for verdict in sampler(batch):
             counts[verdict.tokens[0]] += 1
     return counts
@@ -283,7 +294,10 @@ def test_sampling_two_levels_deep_matches_the_target_distribution():
     deep = 0
     for _ in range(TRIALS // BATCH):
         trees = [two_level_tree(gen) for _ in range(BATCH)]
-        batch = [Candidates(t, ROWS.repeat(len(t) + 1, 1), params, draws) for t in trees]
+        batch = [
+            Candidates(t, rows, params, draws)
+            for t, rows in zip(trees, in_one_buffer(trees), strict=True)
+        ]
         verdicts = select(batch)
         short = [v for v in verdicts if len(v.tokens) == 1]  # their next step has no tree
         rest = select([Candidates(DraftTree(), ROWS[None], params, draws) for _ in short])
@@ -424,6 +438,37 @@ def test_greedy_selections_argmax_is_torchs_to_the_index():
         finite = torch.isfinite(case).all(-1)
         want = torch.where(finite, case.argmax(-1), -1)  # greedy_rows: -1 where not all finite
         assert kernels.greedy_rows(case).tolist() == want.tolist()
+
+
+@CPU_KERNELS
+def test_samplings_kernels_give_torchs_distribution_and_draw_no_token_of_weight_0():
+    """softmax_weights against torch's softmax at each row's own temperature (-inf: weight 0),
+    read through a row index; draw against inverse_cdf on weights whose sums are exact (the
+    same tokens), and never a token of weight 0, even at u just under 1; and sampling reads
+    its rows through them where the logits lie back to back."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 5000, generator=g) * 4
+    x[2, :4000] = float("-inf")
+    rows, temperature = torch.tensor([4, 2, 0, 2]), torch.tensor([1.0, 0.7, 1.3, 2.0])
+    w, sums = kernels.softmax_weights(x, rows, temperature)
+    want = torch.softmax(x[rows] / temperature[:, None], -1)
+    assert torch.allclose(w / sums[:, None], want, rtol=1e-5, atol=1e-9)
+    assert torch.allclose(sums, w.double().sum(1).float(), rtol=1e-6)
+    assert (w[1, :4000] == 0).all() and (w[1, 4000:] > 0).all()
+    weights = torch.randint(0, 4, (5, 3000), generator=g).float()
+    weights[:, 2990:] = 0.0
+    weights[4] = 0.0
+    weights[4, 17] = 2.0
+    for u in (torch.rand(5, generator=g), torch.full((5,), 1 - 2**-24), torch.zeros(5)):
+        drawn = kernels.draw(weights, u)
+        assert drawn.tolist() == rejection.inverse_cdf(weights, u).tolist()
+        assert (weights.gather(1, drawn[:, None]) > 0).all()
+    tree = sampled_tree(g, 2, True)
+    batch = [
+        Candidates(tree, rows, SamplingParams(temperature=1.0))
+        for rows in in_one_buffer([tree] * 2)
+    ]
+    assert rejection.kernel_weights(batch, [(0, 0), (1, 2)]) is not None
 
 
 @CPU_KERNELS

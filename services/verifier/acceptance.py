@@ -50,6 +50,7 @@ from ..common.tree import DraftTree
 from ..engine import kernels
 from ..engine.batch import Packer
 from . import rejection
+from .logit_rows import row_sums, stacked
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -181,34 +182,6 @@ def _greedy_choices(group: list[Candidates], layout: Layout) -> tuple[torch.Tens
     parents = layout.parent_rows[:nodes]
     chosen = (layout.tokens[:nodes] == best[parents]) & layout.first[:nodes]  # [nodes]
     return chosen, best
-
-
-def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' rows one after another: a view when they already lie back to back in one
-    buffer (as a forward pass's split logits do), else a copy."""
-    whole = back_to_back(tensors)
-    return torch.cat(tensors) if whole is None else whole
-
-
-def row_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[rows]: the sum of each row of the tensors, one after another; never a copy of them."""
-    whole = back_to_back(tensors)
-    if whole is None:
-        return torch.cat([t.sum(-1) for t in tensors])
-    return whole.sum(-1)
-
-
-def back_to_back(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensors' rows as one view, if they lie back to back in one buffer; else None."""
-    first = tensors[0]
-    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
-    for t in tensors:
-        same = t.untyped_storage().data_ptr() == storage and t.dtype == first.dtype
-        if not (same and t.is_contiguous() and t.data_ptr() == end):
-            return None
-        end += t.numel() * t.element_size()
-    rows = sum(t.shape[0] for t in tensors)
-    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def _to_host(

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 
 from ..common.tree import DraftTree
+from ..engine import kernels
 from ..engine.batch import Packer, to_device
+from .logit_rows import back_to_back
 from .sampling import SamplingParams, target_probs
 
 if TYPE_CHECKING:
@@ -117,17 +119,23 @@ class Decision:
         index = {key: j for j, key in enumerate(parents)}  # (sequence, node) -> parent
         at = [index.get((s, end)) for s, end in enumerate(ends)]
         leaves = [
-            (c.logits[end + 1 : end + 2], c.params)
-            for c, end, j in zip(self.group, ends, at, strict=True)
-            if j is None
+            (s, end + 1) for s, (end, j) in enumerate(zip(ends, at, strict=True)) if j is None
         ]
-        leaf_probs = iter(probs(leaves).unbind() if leaves else ())
+        leaf_weights = iter(self._leaves(leaves).unbind() if leaves else ())
         weights = torch.stack(
-            [self.residual[j] if j is not None else next(leaf_probs) for j in at]
+            [self.residual[j] if j is not None else next(leaf_weights) for j in at]
         )  # [seqs, vocab]
         device = weights.device
         u = torch.cat([torch.rand(1, generator=c.generator, device=device) for c in self.group])
-        return inverse_cdf(weights, u).tolist()
+        drawn = kernels.draw(weights, u)
+        return (drawn if drawn is not None else inverse_cdf(weights, u)).tolist()
+
+    def _leaves(self, rows: list[tuple[int, int]]) -> torch.Tensor:
+        """The target's distribution at these (sequence, row) pairs, as weights."""
+        fast = kernel_weights(self.group, rows)
+        if fast is not None:
+            return fast[0]
+        return probs([(self.group[s].logits[r : r + 1], self.group[s].params) for s, r in rows])
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -152,18 +160,51 @@ def decide(group: list[Candidates]) -> Decision:
     if not parents.seq:
         return Decision(group, parents, chosen[:nodes], torch.zeros(0, device=device))
     width = parents.children.shape[1]
-    rows = parents.rows  # [parents]
     counts = [parents.seq.count(s) for s in range(len(group))]
-    pieces, u = [], []
-    for c, index, count in zip(group, rows.split(counts), counts, strict=True):
-        if count:
-            pieces.append((c.logits[index], c.params))  # [count, vocab]
-            u.append(torch.rand(count, width, generator=c.generator, device=device))
-    passed, residual = siblings(probs(pieces), torch.cat(u), parents)
+    u = [
+        torch.rand(count, width, generator=c.generator, device=device)
+        for c, count in zip(group, counts, strict=True)
+        if count
+    ]
+    fast = kernel_weights(
+        group, [(s, n + 1) for s, n in zip(parents.seq, parents.node, strict=True)]
+    )
+    if fast is not None:
+        p, norm = fast
+    else:
+        pieces = [
+            (c.logits[index], c.params)  # [count, vocab]
+            for c, index, count in zip(group, parents.rows.split(counts), counts, strict=True)
+            if count
+        ]
+        p = probs(pieces)
+        norm = p.sum(1, keepdim=True)
+    passed, residual = siblings(p, torch.cat(u), parents, norm)
     rank = passed.int().argmax(1, keepdim=True)  # [parents, 1]: its first child to pass
     child = parents.children.gather(1, rank)[:, 0]  # [parents]
     chosen[torch.where(passed.any(1), child, nodes)] = True
     return Decision(group, parents, chosen[:nodes], residual)
+
+
+def kernel_weights(
+    group: list[Candidates], rows: list[tuple[int, int]]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The target's distribution at each (sequence, row) of the group's logits, in order, as
+    weights [len(rows), vocab] (unnormalised) and their sums [len(rows), 1], through
+    kernels.softmax_weights, which reads the rows in place in two passes: where the logits lie
+    back to back in float32 on a CPU whose kernels run and every sequence samples at its
+    temperature alone (no top-k, no top-p). None elsewhere (target_probs then)."""
+    vocab = group[0].logits.shape[-1]
+    if any(0 < c.params.top_k < vocab or 0.0 < c.params.top_p < 1.0 for c in group):
+        return None
+    whole = back_to_back([c.logits for c in group])
+    if whole is None:
+        return None
+    starts = np.cumsum([0] + [len(c.logits) for c in group])
+    index = torch.from_numpy(np.array([starts[s] + r for s, r in rows], dtype=np.int64))
+    temperature = torch.tensor([group[s].params.temperature for s, _ in rows])
+    out = kernels.softmax_weights(whole, index, temperature)
+    return None if out is None else (out[0], out[1][:, None])
 
 
 def probs(pieces: list[tuple[torch.Tensor, SamplingParams]]) -> torch.Tensor:
@@ -184,9 +225,10 @@ def probs(pieces: list[tuple[torch.Tensor, SamplingParams]]) -> torch.Tensor:
 
 
 def siblings(
-    p: torch.Tensor,  # [parents, vocab]: the target's distribution at each parent
+    p: torch.Tensor,  # [parents, vocab]: the target's distribution at each parent, as weights
     u: torch.Tensor,  # [parents, width]: a uniform per child rank
     parents: Parents,
+    norm: torch.Tensor,  # [parents, 1]: the sum of each parent's weights
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sibling recursion of every parent at once. Returns passed [parents, width] (the
     i-th child passed its test, given that its elder siblings failed theirs) and each
@@ -197,7 +239,6 @@ def siblings(
     and lowers the sum by what it took, so a rank costs a few [parents, support] operations,
     not passes over the vocabulary; p is overwritten."""
     q, has_dist = parents.q, parents.has_dist  # [parents, support], [parents, 1]
-    norm = p.sum(1, keepdim=True)  # [parents, 1]: p's weights sum to it
     point = torch.zeros_like(q)
     point[:, 0] = 1.0  # a point mass on the child's token, for parents without a q
     passed = []

@@ -14,7 +14,8 @@
   through its slots (attention.attend_paged).
 - `select_cpu.cpp`: `argmax_rows`, torch.argmax over the vocabulary streamed with AVX2
   (greedy selection; `argmax`), and `greedy_rows`, the same with the finite check of the
-  logits in the pass (`greedy_rows`).
+  logits in the pass (`greedy_rows`); sampling's passes over the vocabulary,
+  `softmax_weights` and `draw_rows` (`softmax_weights`, `draw`).
 
 `python -m specserve.engine.kernels` builds them (`make setup` does, so no service start
 waits on a compiler) and prints what was built.
@@ -36,7 +37,8 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("int4_cpu.cpp", "layer_cpu.cpp", "attention_cpu.cpp", "select_cpu.cpp")
 ]
-INCLUDED = [Path(__file__).with_name("int4_rows.inc")]  # (torch's builder hashes SOURCES only)
+# (torch's builder hashes SOURCES only)
+INCLUDED = [Path(__file__).with_name(name) for name in ("int4_rows.inc", "simd_exp.h")]
 GROUP = 32  # inputs per int4 scale/offset pair
 BLOCK_GROUPS = 8  # groups per block of the int4 layout
 BLOCK_INPUTS = GROUP * BLOCK_GROUPS
@@ -193,6 +195,28 @@ def greedy_rows(x: torch.Tensor) -> torch.Tensor | None:
     other tensor (its caller then takes torch's ops)."""
     if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and available():
         return torch.ops.specserve.greedy_rows(x)
+    return None
+
+
+def softmax_weights(
+    x: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """exp(x[rows[i]] / temperature[i] - its maximum) for each i, unnormalised ([P, vocab]; 0
+    where more than 87.3 below the maximum, -inf included), and each row's sum ([P]): two
+    passes over each chosen row of x [R, vocab] float32 on a CPU where the kernels run, read in
+    place; None for any other x. rows int64 [P], temperature float32 [P] (> 0)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and available():
+        return torch.ops.specserve.softmax_weights(x, rows, temperature)
+    return None
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """[S] int64: from each row of non-negative weights [S, vocab] (any sum), the first token
+    whose cumulative weight exceeds u[i] (uniform in [0, 1), float32 [S]) times the row's
+    total; never a token of weight 0 (0 for a row of zeros). On a CPU where the kernels run;
+    None for any other tensor."""
+    if weights.dtype == torch.float32 and weights.device.type == "cpu" and available():
+        return torch.ops.specserve.draw_rows(weights, u)
     return None
 
 
