@@ -288,6 +288,44 @@ def test_a_model_free_tree_explores_shallow_and_goes_deep_once_measured():
     assert 0 < exploring_deep <= EXPLORE_DEPTH < measured_deep
 
 
+def test_a_draft_model_that_fell_behind_has_its_catch_up_priced():
+    """Its draft model last grew the sequence a tree 150 tokens ago (plain steps since): on a
+    probe step, which prices its drafts at EXPLORE_ALPHA, taking those tokens in first costs
+    more than the exploring horizon can win back, so the draft model stays off; one step
+    behind, the same probe drafts."""
+    from types import SimpleNamespace
+
+    from helpers import make_sequence
+    from specserve.common.settings import VerifierSettings
+    from specserve.verifier.policy import PROBE_EVERY
+    from specserve.verifier.speculator import Speculator
+
+    speculator = Speculator(
+        VerifierSettings.load(
+            None, speculative_decoding=True, discover_drafters=False, deep_tree_size=0
+        ),
+        vocab_size=1000,
+    )
+    policy = speculator.policy
+    policy.cost.coef.a, policy.cost.coef.b, policy.cost.coef.c = 0.05, 0.002, 0.01
+    policy.cost.per_token_known = True
+    policy.cost.observe_catch_up(100, 1.0)  # 10 ms a token
+    seq = make_sequence(list(range(200)), output=[8], max_tokens=500)
+    seq.kv = SimpleNamespace(length=200)
+    seq.drawn_tested, seq.drawn_accepted = 100, 10  # measured poor: only a probe drafts
+
+    def probe(behind: int) -> int:
+        seq.drawn_at = len(seq.all_ids) - behind
+        policy.steps = PROBE_EVERY - 1  # (the next budgets call is a probe step)
+        ((k, _),) = speculator.budgets([seq])
+        return k
+
+    assert probe(1) > 0
+    assert probe(150) == 0
+    policy.steps = 1
+    assert speculator.budgets([seq]) == [(0, 0)]  # (and off a probe, poor drafts do not pay)
+
+
 def test_a_pinned_tree_size_stays_within_the_operators_largest_tree():
     """A request may pin speculation.tree_size (up to 256 at the gateway); the verifier grows
     no tree past the larger of verification_tree_size and deep_tree_size for it, so one

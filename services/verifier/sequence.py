@@ -64,7 +64,9 @@ class Sequence:
     free_trees: int = 0  # model-free trees checked
     drawn_accepted: int = 0  # draft-model trees
     drawn_tested: int = 0
-    drawn_once: bool = False  # a draft model grew it a tree (it took in its context)
+    # Tokens its draft model had taken in when it last grew it a tree (0: never): what it
+    # takes in before its next one is the rest (a catch-up, where more than a step's worth).
+    drawn_at: int = 0
     free_asked: int = 0  # steps that asked the drafter for a model-free tree alone ...
     free_matched: int = 0  # ... and of them those that got one (a match: not empty)
     fallback_steps: int = 0
