@@ -34,7 +34,8 @@ its ancestors were chosen (the tree's ancestor mask), which is exactly the walk'
   is greedy without a grammar: one pass over the logits takes each row's argmax and its
   finite check together (kernels.greedy_rows), and each tree is walked on the host, a loop
   over its nodes (`walk`), instead of the ~25 small ops of the layout's tensors: the same
-  verdicts (a test holds them equal), about 1.3 ms less a step at batch 1.
+  verdicts (a test holds them equal); the 36M proxy's step spent 0.6 ms less outside its pass
+  at batch 1 and 13 ms less at 64 (one pass over the logits instead of two).
 """
 
 from __future__ import annotations

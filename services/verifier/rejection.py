@@ -15,6 +15,12 @@ point mass, on p kept unnormalised: no pass over the vocabulary per rank), the c
 child. Sequential: the loop over sibling rank; the random draws (one call per sequence: each
 has its own generator); and the bonus draw, which waits for the path, as only then is its
 row known (one uniform a sequence, by inverse CDF).
+
+On a CPU whose kernels run, sequences sampling at a temperature alone have the target's
+weights of their parent and leaf rows computed by kernels.softmax_weights, reading the rows
+where the forward pass left them (two passes each, against a gather, a copy, a division and
+softmax's passes), and the bonus tokens drawn by kernels.draw (`kernel_weights`); top-k and
+top-p take target_probs.
 """
 
 from __future__ import annotations

@@ -140,20 +140,18 @@ class Speculator:
         # spread over the tokens exploring emits (CATCH_UP_HORIZON; AdaptivePolicy.budgets).
         # So does a draft model that fell behind since its last tree (steps of plain decoding,
         # or a model-free tree's accepted tokens): on a probe step (every PROBE_EVERY), a
-        # sequence that had not drafted for 64 steps made its draft model take them in first
-        # (231 ms here, about 5 plain steps), and prose, where the probe found nothing, ran
-        # at 0.92-0.96x plain.
+        # sequence that had not drafted for 64 steps made its draft model take them in first,
+        # unpriced (231 ms here, about 5 plain steps).
         policy = self.policy
         model = [
             Candidate(
                 cap,
                 explored(policy.alpha(s.drawn_accepted, s.drawn_tested), s.drawn_tested),
                 pin,
-                catch_up=policy.cost.catch_up_seconds(behind) if self._behind(s, behind) else 0.0,
+                catch_up=self._catch_up(s),
                 remaining=min(s.max_tokens - len(s.output_ids), CATCH_UP_HORIZON),
             )
             for s, cap, pin in zip(seqs, caps, pinned, strict=True)
-            for behind in (len(s.all_ids) - s.drawn_at,)
         ]
         ks = policy.budgets(model, other_tokens)
         free = [
@@ -279,6 +277,12 @@ class Speculator:
             if not any(k for k, _ in budgets):
                 cost.observe_round_trip(seconds)
             cost.observe_draft(levels, drafting, seconds)
+
+    def _catch_up(self, seq: Sequence) -> float:
+        """Seconds the sequence's draft model needs to take in what it has not seen, before
+        its next tree (0 where that is no more than a steady step takes in)."""
+        behind = len(seq.all_ids) - seq.drawn_at
+        return self.policy.cost.catch_up_seconds(behind) if self._behind(seq, behind) else 0.0
 
     def _behind(self, seq: Sequence, tokens: int) -> bool:
         """Whether a draft model `tokens` behind `seq` has a catch-up to make: its first tree,
