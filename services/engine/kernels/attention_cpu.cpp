@@ -13,13 +13,13 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include "simd_exp.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
+
+#include "simd_exp.h"
 
 namespace {
 
