@@ -22,6 +22,7 @@ from specserve.common import models  # noqa: E402
 from specserve.common.settings import ModelRef, ServiceSettings  # noqa: E402
 from specserve.common.store import RequestStore  # noqa: E402
 from specserve.common.tls import dev_tls_config  # noqa: E402
+from specserve.engine import kernels  # noqa: E402
 from specserve.local_cluster import LocalCluster, without_security  # noqa: E402
 from specserve.v1 import generation_pb2_grpc  # noqa: E402
 
@@ -29,6 +30,11 @@ TARGET = ModelRef()  # the default target model
 # Where models run in the tests: `SPECSERVE_TEST_DEVICE=cuda make test` on a machine with a GPU.
 DEVICE = os.environ.get("SPECSERVE_TEST_DEVICE", "cpu")
 DEVICE_KIND = DEVICE.partition(":")[0]  # as model versions name it: cuda:1 is cuda
+# Tests of the engine's own CPU kernels run where the CPU is the test device and has AVX2 (a
+# kernel that then fails to build fails them rather than skipping them).
+CPU_KERNELS_RUN = DEVICE == "cpu" and kernels.cpu_supported()
+CPU_KERNELS_WHY_NOT = "the engine's CPU kernels: x86 with AVX2, the CPU as the test device"
+CPU_KERNELS = pytest.mark.skipif(not CPU_KERNELS_RUN, reason=CPU_KERNELS_WHY_NOT)
 NOISE = 2.0
 
 

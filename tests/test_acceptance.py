@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import CPU_KERNELS, DEVICE
 from reference_acceptance import walk
 from specserve.common.tree import DraftTree
 from specserve.drafter.draft_model import gumbel_order
@@ -414,12 +414,6 @@ def test_the_check_catches_a_grammar_applied_after_the_draw():
 
     counts = masked_first_tokens(after_the_draw, params)
     assert chi_square(counts, constrained_probs(params)) > 10 * CHI2_CRITICAL
-
-
-CPU_KERNELS = pytest.mark.skipif(
-    DEVICE != "cpu" or not kernels.available(),
-    reason="the engine's CPU kernels: x86 with AVX2, the CPU as the test device",
-)
 
 
 @CPU_KERNELS

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import CPU_KERNELS, CPU_KERNELS_RUN, CPU_KERNELS_WHY_NOT
 from helpers import make_sequence
 from specserve.common import models
 from specserve.common.tree import DraftTree
@@ -15,15 +15,11 @@ from specserve.engine.batch import Batch
 from specserve.engine.flat_model import FlatModel, Segment, UnsupportedAttention
 from specserve.verifier.runner import tree_segment
 
-KERNELS_RUN = DEVICE == "cpu" and kernels.cpu_supported()
-WHY_NOT = "the engine's CPU kernels: x86 with AVX2, the CPU as the test device"
-CPU_KERNELS = pytest.mark.skipif(not KERNELS_RUN, reason=WHY_NOT)
-
 
 @pytest.fixture(params=["padded", "paged"])
 def attention(request) -> str:
-    if request.param == "paged" and not KERNELS_RUN:
-        pytest.skip(WHY_NOT)
+    if request.param == "paged" and not CPU_KERNELS_RUN:
+        pytest.skip(CPU_KERNELS_WHY_NOT)
     return request.param
 
 

@@ -201,7 +201,7 @@ def kernel_weights(
     back to back in float32 on a CPU whose kernels run and every sequence samples at its
     temperature alone (no top-k, no top-p). None elsewhere (target_probs then)."""
     vocab = group[0].logits.shape[-1]
-    if any(0 < c.params.top_k < vocab or 0.0 < c.params.top_p < 1.0 for c in group):
+    if any(c.params.filters(vocab) for c in group):
         return None
     whole = back_to_back([c.logits for c in group])
     if whole is None:

@@ -26,6 +26,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def filters(self, vocab: int) -> bool:
+        """Whether top-k or top-p cut the distribution over a vocabulary of `vocab` tokens
+        (else it is softmax at the temperature alone)."""
+        return 0 < self.top_k < vocab or 0.0 < self.top_p < 1.0
+
 
 def make_generator(
     params: SamplingParams, device: str | torch.device = "cpu"

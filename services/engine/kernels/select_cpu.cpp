@@ -81,6 +81,15 @@ at::Tensor rows_of(const at::Tensor& x, bool finite_only) {
 
 constexpr int64_t kChunk = 2048;  // values whose float sum is taken before it joins a double
 
+// The 8 lanes of a float sum, added in double.
+inline double lane_sum(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  double s = 0.0;
+  for (float l : lanes) s += l;
+  return s;
+}
+
 float max_of(const float* p, int64_t n) {
   __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
@@ -112,10 +121,7 @@ double softmax_row(const float* x, float t, int64_t n, float* w) {
       _mm256_storeu_ps(w + i, e);
       sum = _mm256_add_ps(sum, e);
     }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, sum);
-    double chunk = 0.0;
-    for (float l : lanes) chunk += l;
+    double chunk = lane_sum(sum);
     for (; i < end; ++i) {
       const float v = x[i] / t - top;
       w[i] = v >= -87.3f ? std::exp(v) : 0.f;
@@ -168,10 +174,7 @@ int64_t draw_row(const float* w, int64_t n, double u) {
     __m256 sum = _mm256_setzero_ps();
     int64_t i = c * kChunk;
     for (; i + 8 <= end; i += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(w + i));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, sum);
-    double s = 0.0;
-    for (float l : lanes) s += l;
+    double s = lane_sum(sum);
     for (; i < end; ++i) s += w[i];
     sums[c] = s;
     total += s;
