@@ -19,16 +19,19 @@ NODE_TIMEOUT_MS = 1000  # how long a master is unreachable before its replica ta
 
 
 def _cluster_ports(n: int) -> list[int]:
-    """Free ports whose cluster bus port (+10000) is free too."""
+    """Free ports whose cluster bus port (+10000) is free too, no node's port the bus port of
+    another (a node whose bus port was a later node's port failed to start)."""
     ports: list[int] = []
+    taken: set[int] = set()  # the chosen ports and their bus ports
     while len(ports) < n:
         port = free_port()
-        if port + 10000 > 65535 or port in ports:
+        if port + 10000 > 65535 or port in taken or port + 10000 in taken:
             continue
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port + 10000)) == 0:
                 continue
         ports.append(port)
+        taken.update((port, port + 10000))
     return ports
 
 
