@@ -3,6 +3,7 @@ and a compile failure that names its config key."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,3 +69,48 @@ def test_a_compile_failure_stops_the_start_naming_the_key(tiny_model, monkeypatc
     monkeypatch.setattr(Compiler, "_backend", broken)
     with pytest.raises(CompileFailed, match=r"verifier\.compile: torch\.compile failed .*C\+\+"):
         FlatModel.prepare(tiny_model, compile=True, key="verifier.compile")
+
+
+def random_tree(rng: np.random.Generator, nodes: int) -> DraftTree:
+    tree = DraftTree()
+    for i in range(nodes):
+        tree.add(int(rng.integers(3, 500)), int(rng.integers(-1, i)) if i else -1)
+    return tree
+
+
+@pytest.mark.parametrize("attention", ["paged", "padded"])
+def test_graph_steps_give_the_eager_forwards_rows(tiny_model, attention):
+    """Batches of prompts, draft trees, kept paths (KV moves) and decode tokens, sequences of
+    different contexts joining and leaving: each step through one compiled graph gives the
+    rows the eager forward gives, and buckets seen once compile nothing more."""
+    rng = np.random.default_rng(7)
+    eager = FlatModel(tiny_model, attention=attention)
+    compiled, _ = FlatModel.prepare(
+        tiny_model, compile=True, key="verifier.compile", attention=attention
+    )
+    assert compiled.attention == attention
+    flats = (eager, compiled)
+    seqs = {flat: [] for flat in flats}
+    graphs = []
+    for round_ in range(6):
+        joining = [list(rng.integers(3, 500, int(rng.integers(2, 60)))) for _ in range(2)]
+        trees = [random_tree(rng, int(rng.integers(1, 9))) for _ in range(6)]
+        results = []
+        for flat in flats:
+            for prompt in joining:
+                seq = make_sequence(prompt)
+                seq.kv = flat.new_kv()
+                seqs[flat].append(seq)
+            live = seqs[flat][-5:]  # (the oldest leave)
+            segments = [tree_segment(seq, tree) for seq, tree in zip(live, trees, strict=False)]
+            rows = flat.forward(segments)
+            for seq, tree in zip(live, trees, strict=False):  # keep node 0 and a child of it
+                path = [0, *[i for i, p in enumerate(tree.parents) if p == 0][:1]]
+                seq.kv.keep(seq.kv.length - len(tree), path)
+                seq.output_ids.extend([tree.token_ids[i] for i in path] + [round_ + 3])
+            results.append(rows)
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+        graphs.append(compiled.graphs)
+    assert compiled.graph.steps >= 6
+    assert graphs[-1] == graphs[2], f"graphs compiled, round by round: {graphs}"

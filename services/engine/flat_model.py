@@ -28,6 +28,7 @@ from .gemm import column_major_head
 from .hugepages import to_huge_pages
 from .kv_cache import BLOCK_SIZE, KVPool, OutOfBlocks, SequenceKV
 from .layers import CpuOps, DecoderLayer, RotaryTable, layer_ops
+from .step_graph import StepGraph
 from .tensor_parallel import Shards, ShardsLost
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class FlatModel:
         self.head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
-        self.ops = layer_ops(hf_model, compiled=compiler is not None)
+        self.ops = layer_ops(hf_model)
         self.layers = [
             DecoderLayer(layer, self.num_heads, self.kv_heads, self.head_dim, self.ops)
             for layer in self.body.layers
@@ -118,27 +119,26 @@ class FlatModel:
         self.use_pool(kv_tokens, block_size)
 
         self.compiler = compiler
-        # A layer's halves as functions of the layer: one compiled code serves every layer.
+        # Compiled: a single rank's decode and tree steps as one graph (step_graph.py); a
+        # tensor-parallel rank's layer halves between its exchanges, one code for every layer.
+        self.graph = StepGraph(self, compiler) if compiler and shards is None else None
         self.front, self.back = DecoderLayer.front, DecoderLayer.back
         self.out, self.mlp = DecoderLayer.out, DecoderLayer.mlp
-        if compiler is not None:  # (a rank's layer has an exchange after out and after mlp)
+        if compiler is not None and shards is not None:
             self.front = compiler(DecoderLayer.front)
-            if shards is None:
-                self.back = compiler(DecoderLayer.back)
-            else:
-                self.out, self.mlp = compiler(DecoderLayer.out), compiler(DecoderLayer.mlp)
+            self.out, self.mlp = compiler(DecoderLayer.out), compiler(DecoderLayer.mlp)
 
     def _attention(self, asked: str) -> str:
         """The attention kernel to run: `asked`, or for auto paged where it runs (the engine's
-        CPU kernels loaded for float32 activations, eager; head_dim a multiple of 8)."""
+        CPU kernels loaded for float32 activations; head_dim a multiple of 8)."""
         if asked not in ATTENTION:
             raise UnsupportedAttention(f"attention {asked!r}: one of {', '.join(ATTENTION)}")
         runs = isinstance(self.ops, CpuOps) and self.head_dim % 8 == 0
         if asked == "paged" and not runs:
             raise UnsupportedAttention(
                 "paged attention runs on a CPU with the engine's kernels built, float32 "
-                "activations (float32, int8 or int4 weights), compile off and head_dim a "
-                "multiple of 8; use auto or padded"
+                "activations (float32, int8 or int4 weights) and head_dim a multiple of 8; "
+                "use auto or padded"
             )
         return asked if asked != "auto" else "paged" if runs else "padded"
 
@@ -244,14 +244,19 @@ class FlatModel:
         if input_ids is not None and self.shards is not None:
             raise ValueError("token ids on the device are not sent to the other ranks")
         step = Step(place(segments), self.pool.take_moves())
-        try:
-            batch = Batch.of(step, self.device)  # (a layout error stops this step alone)
+        graph = self.graph
+        if graph is not None and (input_ids is not None or not graph.fits(step.placed)):
+            graph = None  # (run eagerly)
+        try:  # (a layout error stops this step alone)
+            batch = graph.lay_out(step) if graph else Batch.of(step, self.device)
         except Exception:
             self.pool.put_back(step.moves)  # (the next pass makes them)
             raise
-        if input_ids is not None:
-            batch.input_ids = input_ids
-        if self.shards is None:
+        if graph is not None:
+            logits = graph.run(batch)
+        elif self.shards is None:
+            if input_ids is not None:
+                batch.input_ids = input_ids
             logits = self.run(step, batch)
         else:
             self._send(step)

@@ -147,11 +147,12 @@ class CpuOps:
         return torch.ops.specserve.rotary(x, cos, sin)
 
 
-def layer_ops(hf_model: nn.Module, compiled: bool) -> TorchOps | CpuOps:
-    """CpuOps for an eager forward on a CPU whose norms are float32 (a float32 model, or a
-    quantised one with float32 activations) where the kernels load; TorchOps otherwise."""
+def layer_ops(hf_model: nn.Module) -> TorchOps | CpuOps:
+    """CpuOps on a CPU whose norms are float32 (a float32 model, or a quantised one with
+    float32 activations) where the kernels load, eager or compiled (the kernels are opaque
+    calls in a compiled graph); TorchOps otherwise."""
     norm = hf_model.model.norm.weight
-    if compiled or norm.device.type != "cpu" or norm.dtype != torch.float32:
+    if norm.device.type != "cpu" or norm.dtype != torch.float32:
         return TorchOps()
     from . import kernels
 

@@ -95,6 +95,18 @@ def load() -> None:
     def _(x, codes, scale_offset, path):
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    @torch.library.register_fake("specserve::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("specserve::rotary")
+    def _(x, cos, sin):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("specserve::paged_attention")
+    def _(q, keys, values, slots, mask, query_rows, scale):
+        return torch.empty_like(q)
+
     log.info("engine CPU kernels loaded", extra={"seconds": round(time.monotonic() - start, 1)})
 
 
