@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import CPU_KERNELS
 from helpers import make_sequence
 from specserve.common.tree import DraftTree
 from specserve.engine.compiler import CompileFailed, Compiler
@@ -78,7 +79,7 @@ def random_tree(rng: np.random.Generator, nodes: int) -> DraftTree:
     return tree
 
 
-@pytest.mark.parametrize("attention", ["paged", "padded"])
+@pytest.mark.parametrize("attention", [pytest.param("paged", marks=CPU_KERNELS), "padded"])
 def test_graph_steps_give_the_eager_forwards_rows(tiny_model, attention):
     """Batches of prompts, draft trees, kept paths (KV moves) and decode tokens, sequences of
     different contexts joining and leaving: each step through one compiled graph gives the

@@ -23,9 +23,10 @@ DTYPE_HELP = (
     "the rest in float32; a device whose torch build lacks the kernel stops the service."
 )
 COMPILE_HELP = (
-    "torch.compile the forward (inductor; at start, counted as compiled graphs); "
-    "false (the default) runs it eagerly: on CPU the compiled layers are no faster than eager "
-    "ones (README: Engine) and the start takes longer."
+    "torch.compile decode and tree steps (up to 64 new tokens a sequence) as one graph over "
+    "persistent, bucketed buffers (inductor; at start, counted as compiled graphs); longer "
+    "prompt chunks run eagerly. false (the default) runs every step eagerly: on CPU the graph "
+    "step is about as fast as eager (README: Engine) and the start takes longer."
 )
 
 
