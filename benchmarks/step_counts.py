@@ -181,7 +181,9 @@ class FixedTrees:
         pass
 
 
-def count_step(model, redis_url: str, batch: int, nodes: int, context: int, sampled: bool):
+def count_step(
+    model, redis_url: str, batch: int, nodes: int, context: int, sampled: bool, flat=None
+):
     from specserve.common.store import RequestStore
     from specserve.engine.flat_model import FlatModel
     from specserve.verifier.admission import Admission
@@ -193,7 +195,7 @@ def count_step(model, redis_url: str, batch: int, nodes: int, context: int, samp
     store = RequestStore.from_url(redis_url)
     store.r.flushdb()
     store.ensure_queues()
-    flat = FlatModel(model)
+    flat = flat or FlatModel(model)
     vocab = model.config.vocab_size
     pool = flat.use_pool(batch * (context + 4 * nodes + 64), 16, fixed=True)
     engine = Engine(
@@ -269,16 +271,20 @@ def host_time(engine, flat, steps: int = 5) -> dict[str, float]:
     pass (`FlatModel.run`: on the CPU the compute itself): plan, layout, selection, commit
     and emit, with selection's device work included (so an upper bound of the host's part)."""
     inside = [0.0]
-    run = flat.run
+    passes = [o for o in (flat, flat.graph) if o is not None]  # (eager and graph steps)
 
-    def timed_run(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return run(*args, **kwargs)
-        finally:
-            inside[0] += time.perf_counter() - started
+    def timed(run):
+        def timed_run(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - started
 
-    flat.run = timed_run
+        return timed_run
+
+    for o in passes:
+        o.run = timed(o.run)
     walls, hosts = [], []
     try:
         for _ in range(steps):
@@ -288,7 +294,8 @@ def host_time(engine, flat, steps: int = 5) -> dict[str, float]:
             walls.append(time.perf_counter() - started)
             hosts.append(walls[-1] - inside[0])
     finally:
-        del flat.run
+        for o in passes:
+            del o.run
     return {
         "step_ms": round(1000 * statistics.median(walls), 2),
         "host_ms": round(1000 * statistics.median(hosts), 2),
@@ -301,6 +308,11 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=8, help="draft tree nodes per sequence")
     p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
     p.add_argument("--label", default="main", help="the results' key (e.g. before, after)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="the verifier's forward compiled (verifier.compile: true): its steps as one graph",
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument(
         "--save-proxy",
@@ -316,6 +328,11 @@ def main() -> None:
 
     torch.set_num_threads(2)
     model = proxy_model(151_936)
+    flat = None
+    if args.compile:
+        from specserve.engine.flat_model import FlatModel
+
+        flat, _ = FlatModel.prepare(model, compile=True, key="--compile")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         redis = LocalCluster({}, Path(tmp))
@@ -323,7 +340,7 @@ def main() -> None:
             url = redis.start_redis()
             for batch in map(int, args.batches.split(",")):
                 for sampled in (False, True):
-                    counts = count_step(model, url, batch, args.nodes, args.context, sampled)
+                    counts = count_step(model, url, batch, args.nodes, args.context, sampled, flat)
                     row = {"batch": batch, "sampled": sampled, **counts}
                     print(json.dumps(row), flush=True)
                     rows.append(row)
@@ -343,10 +360,12 @@ def main() -> None:
     results = json.loads(path.read_text()) if path.exists() else {}
     results[args.label] = {
         "command": f"python -m benchmarks.step_counts --batches {args.batches} --nodes "
-        f"{args.nodes} --context {args.context} --label {args.label}",
+        f"{args.nodes} --context {args.context} --label {args.label}"
+        + (" --compile" if args.compile else ""),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "configuration": "36M proxy of the default target (28 layers, 12/2 heads, hidden "
-        f"192), float32, CPU, eager; {args.nodes}-node model-free trees, {args.context}-token "
+        f"192), float32, CPU, {'compiled (one graph a step)' if args.compile else 'eager'}; "
+        f"{args.nodes}-node model-free trees, {args.context}-token "
         "prompts; one Engine.step after prefill and one decoding step; Redis writes asynchronous",
         "rows": rows,
         "drafter": "the same model as a draft model: one proposal of 16-node trees, depth 4 "

@@ -79,16 +79,19 @@ def random_tree(rng: np.random.Generator, nodes: int) -> DraftTree:
     return tree
 
 
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
 @pytest.mark.parametrize("attention", [pytest.param("paged", marks=CPU_KERNELS), "padded"])
-def test_graph_steps_give_the_eager_forwards_rows(tiny_model, attention):
+def test_graph_steps_give_the_eager_forwards_rows(tiny_model, attention, buckets):
     """Batches of prompts, draft trees, kept paths (KV moves) and decode tokens, sequences of
     different contexts joining and leaving: each step through one compiled graph gives the
-    rows the eager forward gives, and buckets seen once compile nothing more."""
+    rows the eager forward gives, and shapes seen once compile nothing more; with the shapes
+    rounded up to buckets (CUDA's layout) as well, padding rows and sequences included."""
     rng = np.random.default_rng(7)
     eager = FlatModel(tiny_model, attention=attention)
     compiled, _ = FlatModel.prepare(
         tiny_model, compile=True, key="verifier.compile", attention=attention
     )
+    compiled.graph.padded = buckets
     assert compiled.attention == attention
     flats = (eager, compiled)
     seqs = {flat: [] for flat in flats}
