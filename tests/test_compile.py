@@ -84,7 +84,7 @@ def random_tree(rng: np.random.Generator, nodes: int) -> DraftTree:
 def test_graph_steps_give_the_eager_forwards_rows(tiny_model, attention, buckets):
     """Batches of prompts, draft trees, kept paths (KV moves) and decode tokens, sequences of
     different contexts joining and leaving: each step through one compiled graph gives the
-    rows the eager forward gives, and shapes seen once compile nothing more; with the shapes
+    rows the eager forward gives, and nothing compiles after the warm-up; with the shapes
     rounded up to buckets (CUDA's layout) as well, padding rows and sequences included."""
     rng = np.random.default_rng(7)
     eager = FlatModel(tiny_model, attention=attention)
@@ -93,6 +93,7 @@ def test_graph_steps_give_the_eager_forwards_rows(tiny_model, attention, buckets
     )
     compiled.graph.padded = buckets
     assert compiled.attention == attention
+    warmed_up = compiled.graphs
     flats = (eager, compiled)
     seqs = {flat: [] for flat in flats}
     graphs = []
@@ -117,4 +118,4 @@ def test_graph_steps_give_the_eager_forwards_rows(tiny_model, attention, buckets
             torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
         graphs.append(compiled.graphs)
     assert compiled.graph.steps >= 6
-    assert graphs[-1] == graphs[2], f"graphs compiled, round by round: {graphs}"
+    assert graphs == [warmed_up] * len(graphs), f"after {warmed_up} at warm-up: {graphs}"

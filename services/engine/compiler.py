@@ -1,22 +1,31 @@
-"""torch.compile for the forward pass, regionally: the two dense halves of a decoder layer
-(three pieces on a tensor-parallel rank, whose exchanges sit between them).
+"""torch.compile for the forward pass: a single rank's decode and tree steps as one graph
+(step_graph.py), a tensor-parallel rank's layer halves between its exchanges (one code for
+every layer, the layers' weights being graph inputs).
 
-A decoder layer is compiled once and that code serves every layer (the layers differ only in
-their weights, which are graph inputs). The token count is a dynamic dimension, so a step of
-any size runs the same graphs: 0/1 specialisation aside, nothing recompiles as batches change
-(recompiles are counted all the same, `Compiler.graphs`). Attention and the KV pool stay
-outside the compiled regions: they index the pool in place, which a compiled graph would copy.
+Sizes are dynamic, so steps of any shape run the same graph; every graph built, first compiles
+and recompiles alike, is counted (`Compiler.graphs`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 
 import torch
+import torch.fx.experimental._config as shape_config
 
 log = logging.getLogger(__name__)
+
+# Symbolic sizes that stay apart: no two sizes share a symbol because they were equal when a
+# graph was traced (duck sizing). With torch's default the graph step compiled a new graph for
+# such coincidences (7 graphs over 20 shapes of batches, trees and prompts on the proxy, and
+# past torch's limit of 8 in a benchmark's run, after which dynamo runs new shapes eagerly);
+# with this, 4: one or several sequences, by one or several tokens (0/1 specialisation), all
+# compiled by the warm-up. (Size-oblivious guards made it one graph, but inductor's lowering
+# of SDPA then fails on its strides.)
+SHAPES = {"use_duck_shape": False}
 
 
 class CompileFailed(RuntimeError):
@@ -33,7 +42,14 @@ class Compiler:
         self._on_graph = on_graph
 
     def __call__(self, fn: Callable) -> Callable:
-        return torch.compile(fn, backend=self._backend, dynamic=True)
+        compiled = torch.compile(fn, backend=self._backend, dynamic=True)
+
+        @functools.wraps(fn)
+        def call(*args):
+            with shape_config.patch(SHAPES):
+                return compiled(*args)
+
+        return call
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx

@@ -185,13 +185,17 @@ class FlatModel:
         return self.compiler.graphs if self.compiler else 0
 
     def warm_up(self) -> float:
-        """Runs a prompt step and a decode step once, so that compiling happens now and not in
-        the first request's step; returns the seconds it took. Raises CompileFailed."""
+        """Runs a prompt step and a decode step once (compiled: of one and of two sequences),
+        so that compiling happens now and not in a request's step; returns the seconds it
+        took. Raises CompileFailed."""
         started = time.perf_counter()
-        kv = self.new_kv()
+        kv, other = self.new_kv(), self.new_kv()
         try:
             self.forward([Segment(kv, [0, 0])])
             self.forward([Segment(kv, [0])])
+            if self.graph is not None:  # its other graphs: several sequences of 1 and 2 tokens
+                self.forward([Segment(kv, [0]), Segment(other, [0])])
+                self.forward([Segment(kv, [0, 0]), Segment(other, [0, 0])])
         except Exception as e:
             if self.compiler is None or isinstance(e, ShardsLost):
                 raise
@@ -202,6 +206,7 @@ class FlatModel:
             raise CompileFailed(f"{type(cause).__name__}: {first}"[:500]) from e
         finally:
             kv.free()
+            other.free()
         return time.perf_counter() - started
 
     def use_pool(

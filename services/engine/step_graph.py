@@ -11,9 +11,9 @@ Layout. The step's T new tokens are rows in sequence order, as in the eager forw
 sees B sequences by N new tokens against L entries of context, with one [B, 1, N, L] mask built
 inside the graph from each sequence's past and new token counts and its own [N, N] mask over
 its new tokens (causal for a prompt or a decode token, ancestry for a tree). The function is
-compiled with dynamic shapes, so every step shape runs the same code (0/1 specialisation gives
-one sequence and one token graphs of their own); every graph is counted (`Compiler.graphs`,
-the `*_compiled_graphs_total` metric).
+compiled with dynamic shapes (compiler.py), so every step shape runs one of 4 graphs (one or
+several sequences by one or several tokens: 0/1 specialisation), which the warm-up compiles;
+every graph is counted (`Compiler.graphs`, the `*_compiled_graphs_total` metric).
 
 Buckets. On CUDA, T, B and N are rounded up to powers of two and L to a power of two of at
 least MIN_CONTEXT, so that a bucket's tensors keep their shapes and addresses from step to
@@ -59,6 +59,7 @@ class StepBuffer:
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self._allocate(size)
 
+    @torch.inference_mode()  # (as the pool's: a graph's guards tell the two kinds apart)
     def _allocate(self, size: int) -> None:
         host = torch.zeros(size, dtype=torch.int64)
         cuda = self.target.type == "cuda"
