@@ -113,6 +113,7 @@ def test_graph_steps_give_the_eager_forwards_rows(tiny_model, attention, buckets
                 path = [0, *[i for i, p in enumerate(tree.parents) if p == 0][:1]]
                 seq.kv.keep(seq.kv.length - len(tree), path)
                 seq.output_ids.extend([tree.token_ids[i] for i in path] + [round_ + 3])
+            rows += flat.forward([Segment(live[0].kv, live[0].pending_input())])  # (one token)
             results.append(rows)
         for a, b in zip(*results, strict=True):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)

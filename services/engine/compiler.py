@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 # graph was traced (duck sizing). With torch's default the graph step compiled a new graph for
 # such coincidences (7 graphs over 20 shapes of batches, trees and prompts on the proxy, and
 # past torch's limit of 8 in a benchmark's run, after which dynamo runs new shapes eagerly);
-# with this, 4: one or several sequences, by one or several tokens (0/1 specialisation), all
-# compiled by the warm-up. (Size-oblivious guards made it one graph, but inductor's lowering
-# of SDPA then fails on its strides.)
+# with this, 4: one or several sequences, by one or several tokens (0/1 specialisation), and
+# with size-oblivious guards, 1 (which inductor's lowering of SDPA on the CPU refuses: its
+# strides fail an assertion; the paged kernel's graph takes them).
 SHAPES = {"use_duck_shape": False}
 
 
@@ -41,12 +41,15 @@ class Compiler:
         self.seconds = 0.0
         self._on_graph = on_graph
 
-    def __call__(self, fn: Callable) -> Callable:
+    def __call__(self, fn: Callable, *, size_oblivious: bool = False) -> Callable:
+        """fn compiled; `size_oblivious`: sizes are not specialised on being 1 where the graph
+        means the same either way (one graph where 0/1 specialisation makes several)."""
         compiled = torch.compile(fn, backend=self._backend, dynamic=True)
+        shapes = SHAPES | {"backed_size_oblivious": size_oblivious}
 
         @functools.wraps(fn)
         def call(*args):
-            with shape_config.patch(SHAPES):
+            with shape_config.patch(shapes):
                 return compiled(*args)
 
         return call

@@ -11,9 +11,10 @@ Layout. The step's T new tokens are rows in sequence order, as in the eager forw
 sees B sequences by N new tokens against L entries of context, with one [B, 1, N, L] mask built
 inside the graph from each sequence's past and new token counts and its own [N, N] mask over
 its new tokens (causal for a prompt or a decode token, ancestry for a tree). The function is
-compiled with dynamic shapes (compiler.py), so every step shape runs one of 4 graphs (one or
-several sequences by one or several tokens: 0/1 specialisation), which the warm-up compiles;
-every graph is counted (`Compiler.graphs`, the `*_compiled_graphs_total` metric).
+compiled with dynamic shapes (compiler.py), so every step shape runs one graph with the paged
+kernel, or one of 4 with SDPA (one or several sequences by one or several tokens: 0/1
+specialisation); the warm-up compiles them and every graph is counted (`Compiler.graphs`, the
+`*_compiled_graphs_total` metric).
 
 Buckets. On CUDA, T, B and N are rounded up to powers of two and L to a power of two of at
 least MIN_CONTEXT, so that a bucket's tensors keep their shapes and addresses from step to
@@ -101,7 +102,7 @@ class StepGraph:
 
     def __init__(self, model, compiler):
         self.model = model
-        self.body = compiler(self._body)
+        self.body = compiler(self._body, size_oblivious=model.attention == "paged")
         self.buffer = StepBuffer(model.device)
         self.padded = model.device.type == "cuda"  # (buckets: see the module's doc)
         self._pool = None
