@@ -9,7 +9,9 @@ import torch
 
 from conftest import CPU_KERNELS
 from helpers import make_sequence
+from specserve.common.proposers.base import DraftJob, TreeShape
 from specserve.common.tree import DraftTree
+from specserve.drafter.draft_model import DraftModelProposer
 from specserve.engine.compiler import CompileFailed, Compiler
 from specserve.engine.flat_model import FlatModel, Segment
 from specserve.verifier.reference import hf_greedy
@@ -120,3 +122,27 @@ def test_graph_steps_give_the_eager_forwards_rows(tiny_model, attention, buckets
         graphs.append(compiled.graphs)
     assert compiled.graph.steps >= 6
     assert graphs == [warmed_up] * len(graphs), f"after {warmed_up} at warm-up: {graphs}"
+
+
+@pytest.mark.parametrize("shape", [TreeShape(4, 1, 1), TreeShape(4, 2, 3)], ids=["chain", "tree"])
+def test_a_draft_models_levels_run_as_graph_steps_and_draft_what_eager_drafts(
+    tiny_model, compiled, shape
+):
+    """A chain's levels (token ids already on the device) and a tree's (masks over the levels
+    fed before them) go through the graph, and draft the trees the eager forward drafts."""
+    trees = []
+    for flat in (FlatModel(tiny_model), compiled):
+        proposer = DraftModelProposer(flat, shape, sample_support=8)
+        jobs = [
+            DraftJob(f"s{i}", list(range(7 + i, 30 + 5 * i)), budget=12, temperature=t, seed=i)
+            for i, t in enumerate((0.0, 0.0, 0.9))
+        ]
+        proposer.propose(jobs)  # (takes in the prompts)
+        steps = flat.graph.steps if flat.graph else 0
+        for job in jobs:
+            job.tokens = job.tokens + [11, 12]
+        trees.append([(t.token_ids, t.parents) for t in proposer.propose(jobs)])
+        if flat.graph:
+            assert flat.graph.steps - steps >= shape.max_depth - 1
+    assert trees[0] == trees[1]
+    assert all(len(ids) > 1 for ids, _ in trees[1])

@@ -249,15 +249,15 @@ class FlatModel:
         if input_ids is not None and self.shards is not None:
             raise ValueError("token ids on the device are not sent to the other ranks")
         step = Step(place(segments), self.pool.take_moves())
-        graph = self.graph
-        if graph is not None and (input_ids is not None or not graph.fits(step.placed)):
-            graph = None  # (run eagerly)
+        graph = self.graph if self.graph is not None and self.graph.fits(step.placed) else None
         try:  # (a layout error stops this step alone)
             batch = graph.lay_out(step) if graph else Batch.of(step, self.device)
         except Exception:
             self.pool.put_back(step.moves)  # (the next pass makes them)
             raise
         if graph is not None:
+            if input_ids is not None:  # (the graph's rows are in segment order too)
+                batch.inputs["ids"][: len(input_ids)].copy_(input_ids)
             logits = graph.run(batch)
         elif self.shards is None:
             if input_ids is not None:

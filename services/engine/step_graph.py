@@ -1,16 +1,18 @@
 """Decode and tree steps as one compiled call over a persistent step buffer.
 
 With `compile: true`, a step whose sequences each bring at most GRAPH_TOKENS new tokens
-(decode tokens, draft trees, short prompts) runs the whole of its layers (embedding, every
-layer, KV writes and attention included) as one compiled function of a few index tensors.
-Everything else (a step with a longer prompt chunk, a mask over cached entries, token ids
-already on the device) runs the eager forward: by design, as CUDA graphs serve decode, not as a
+(decode tokens, draft trees, a draft model's chain and tree levels, short prompts) runs the
+whole of its layers (embedding, every layer, KV writes and attention included) as one compiled
+function of a few index tensors. A step with a longer prompt chunk (or an own mask wider than
+GRAPH_WIDTH) runs the eager forward: by design, as CUDA graphs serve decode, not as a
 fallback.
 
 Layout. The step's T new tokens are rows in sequence order, as in the eager forward; attention
 sees B sequences by N new tokens against L entries of context, with one [B, 1, N, L] mask built
-inside the graph from each sequence's past and new token counts and its own [N, N] mask over
-its new tokens (causal for a prompt or a decode token, ancestry for a tree). The function is
+inside the graph from each sequence's new token count, where its own mask starts, and that
+[N, W] mask (causal over the new tokens for a prompt or a decode token, ancestry for a
+verifier's tree; a draft model's tree level also sees the levels fed before it, from its
+committed tokens on); every entry before the own mask's start is seen. The function is
 compiled with dynamic shapes (compiler.py), so every step shape runs one graph with the paged
 kernel, or one of 4 with SDPA (one or several sequences by one or several tokens: 0/1
 specialisation); the warm-up compiles them and every graph is counted (`Compiler.graphs`, the
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 from .batch import Placed, Step
 
 GRAPH_TOKENS = 64  # the most new tokens of one sequence a graph step takes
+GRAPH_WIDTH = 128  # the widest own mask (entries it covers) a graph step takes
 MIN_CONTEXT = 64  # the least context bucket (CUDA)
 
 
@@ -114,9 +117,7 @@ class StepGraph:
     @staticmethod
     def fits(placed: list[Placed]) -> bool:
         """Whether a step runs as a graph step (the rest run eagerly)."""
-        return all(
-            len(p.token_ids) <= GRAPH_TOKENS and p.mask_from in (None, p.past) for p in placed
-        )
+        return all(len(p.token_ids) <= GRAPH_TOKENS and _width(p) <= GRAPH_WIDTH for p in placed)
 
     def lay_out(self, step: Step) -> Laid:
         """Fills the host buffer with the step's layout and sends it."""
@@ -127,8 +128,10 @@ class StepGraph:
         placed = step.placed
         news = [len(p.token_ids) for p in placed]
         t, b, n, ell = sum(news), len(placed), max(news), max(len(p.slots) for p in placed)
+        w = max(map(_width, placed))
         if self.padded:
             t, b, n, ell = bucket(t), bucket(b), bucket(n), bucket(ell, MIN_CONTEXT)
+            w = bucket(w)
         starts = np.cumsum([0, *news[:-1]])
         logit_rows = np.concatenate(
             [
@@ -144,9 +147,9 @@ class StepGraph:
             "rows": t,  # each row's padded row (b * N + i): the kernel's query row
             "queries": b * n,  # each padded query's row (padding: row 0)
             "slots": b * ell,
-            "past": b,
+            "starts": b,  # where each sequence's own mask starts
             "news": b,
-            "tree": b * n * n,
+            "own": b * n * w,
         }
         head = sum(sizes.values())
         used = head + len(logit_rows) + sum(len(m) for m in moves)
@@ -161,15 +164,15 @@ class StepGraph:
         f["ids"][:live] = [token for p in placed for token in p.token_ids]
         f["positions"][:live] = [position for p in placed for position in p.positions]
         f["writes"][:live] = np.concatenate([p.slots[p.past :] for p in placed])
-        f["past"][: len(placed)] = [p.past for p in placed]
+        f["starts"][: len(placed)] = [p.past + len(p.token_ids) - _width(p) for p in placed]
         f["news"][: len(placed)] = news
         queries, slots = f["queries"].reshape(b, n), f["slots"].reshape(b, ell)
-        tree = f["tree"].reshape(b, n, n)
+        own = f["own"].reshape(b, n, w)
         for i, (p, s, k) in enumerate(zip(placed, starts, news, strict=True)):
             f["rows"][s : s + k] = i * n + np.arange(k)
             queries[i, :k] = s + np.arange(k)
             slots[i, : len(p.slots)] = p.slots
-            tree[i, :k, :k] = np.tri(k, dtype=np.int64) if p.mask is None else p.mask
+            own[i, :k, : _width(p)] = np.tri(k, dtype=np.int64) if p.mask is None else p.mask
         host[head:used] = np.concatenate([logit_rows, *moves])
         self.buffer.send(used)
         device = self.buffer.device
@@ -178,7 +181,7 @@ class StepGraph:
             inputs[name], at = device[at : at + size], at + size
         inputs["queries"] = inputs["queries"].view(b, n)
         inputs["slots"] = inputs["slots"].view(b, ell)
-        inputs["tree"] = inputs["tree"].view(b, n, n)
+        inputs["own"] = inputs["own"].view(b, n, w)
         tail = device[head:used]
         r, m = len(logit_rows), len(moves[0]) if moves else 0
         return Laid(
@@ -208,19 +211,19 @@ class StepGraph:
             x["rows"],
             x["queries"],
             x["slots"],
-            x["past"],
+            x["starts"],
             x["news"],
-            x["tree"],
+            x["own"],
             *self._kv,
         )
         hidden = model.ops.rms_norm(model.body.norm, hidden[laid.logit_rows])
         logits = model.hf.lm_head(hidden).float()
         return list(torch.split(logits, laid.logit_counts))
 
-    def _body(self, ids, cos, sin, writes, rows, queries, slots, past, news, tree, keys, values):
+    def _body(self, ids, cos, sin, writes, rows, queries, slots, starts, news, own, keys, values):
         """The compiled function: the [T] rows' hidden states after the last layer."""
         model = self.model
-        mask = visible(past, news, tree, slots.shape[1])  # [B, 1, N, L]
+        mask = visible(starts, news, own, slots.shape[1])  # [B, 1, N, L]
         hidden = model.body.embed_tokens(ids)
         for index, layer in enumerate(model.layers):
             q, k, v = layer.front(hidden, cos, sin)
@@ -237,19 +240,25 @@ class StepGraph:
         return hidden
 
 
-def visible(past, news, tree, ell: int) -> torch.Tensor:
-    """[B, 1, N, L] bool: entry j is visible to new token i of sequence b. Every cached entry
-    (j < past) and the new tokens the sequence's own [N, N] mask shows; padding queries see
-    entry 0 alone."""
-    b, n, _ = tree.shape
-    row = torch.arange(n, device=tree.device)[None, :, None]  # [1, N, 1]
-    col = torch.arange(ell, device=tree.device)[None, None, :]  # [1, 1, L]
-    p, new = past[:, None, None], news[:, None, None]  # [B, 1, 1]
-    rel = col - p
-    own = torch.gather(tree, 2, rel.clamp(0, n - 1).expand(b, n, ell)) != 0
-    sees = (col < p) | ((rel >= 0) & (rel < n) & own)
+def visible(starts, news, own, ell: int) -> torch.Tensor:
+    """[B, 1, N, L] bool: entry j is visible to new token i of sequence b. Every entry before
+    the sequence's own mask starts, and from there the ones its [N, W] own mask shows;
+    padding queries see entry 0 alone."""
+    b, n, w = own.shape
+    row = torch.arange(n, device=own.device)[None, :, None]  # [1, N, 1]
+    col = torch.arange(ell, device=own.device)[None, None, :]  # [1, 1, L]
+    start, new = starts[:, None, None], news[:, None, None]  # [B, 1, 1]
+    rel = col - start
+    shown = torch.gather(own, 2, rel.clamp(0, w - 1).expand(b, n, ell)) != 0
+    sees = (col < start) | ((rel >= 0) & (rel < w) & shown)
     padding = row >= new
     return ((sees & ~padding) | (padding & (col == 0)))[:, None].contiguous()
+
+
+def _width(p: Placed) -> int:
+    """The entries a placed segment's own mask covers: its new tokens, and the entries from
+    mask_from on before them."""
+    return len(p.token_ids) + (0 if p.mask_from is None else p.past - p.mask_from)
 
 
 def padded_attention(q, keys, values, slots, mask, queries) -> torch.Tensor:
