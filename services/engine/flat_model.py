@@ -116,12 +116,12 @@ class FlatModel:
         self.shards = shards
         if shards is not None:
             shards.vocab_start = shards.rank * self.body.embed_tokens.num_embeddings
-        self.use_pool(kv_tokens, block_size)
-
         self.compiler = compiler
         # Compiled: a single rank's decode and tree steps as one graph (step_graph.py); a
         # tensor-parallel rank's layer halves between its exchanges, one code for every layer.
         self.graph = StepGraph(self, compiler) if compiler and shards is None else None
+        self.use_pool(kv_tokens, block_size)
+
         self.front, self.back = DecoderLayer.front, DecoderLayer.back
         self.out, self.mlp = DecoderLayer.out, DecoderLayer.mlp
         if compiler is not None and shards is not None:
@@ -230,6 +230,8 @@ class FlatModel:
             fixed=fixed,
             model_version=model_version,
         )
+        if self.graph is not None:
+            self.graph.adopt(self.pool)
         return self.pool
 
     def new_kv(self) -> SequenceKV:

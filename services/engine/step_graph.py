@@ -108,11 +108,15 @@ class StepGraph:
         self.body = compiler(self._body, size_oblivious=model.attention == "paged")
         self.buffer = StepBuffer(model.device)
         self.padded = model.device.type == "cuda"  # (buckets: see the module's doc)
-        self._pool = None
-        self._scratch = 0
+        self._scratch = 0  # the slot padding writes to, in a block of the pool no one holds
         self._kv: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # layers' views
         self._kv_of = (0, 0)  # the pool tensors' addresses they are views of
         self.steps = 0  # steps run through the graph
+
+    def adopt(self, pool) -> None:
+        """A new pool: a scratch block of its own for padding (taken before any sequence's,
+        so that a fixed pool's admission counts without it)."""
+        self._scratch = pool.take(1)[0] * pool.block_size
 
     @staticmethod
     def fits(placed: list[Placed]) -> bool:
@@ -121,10 +125,6 @@ class StepGraph:
 
     def lay_out(self, step: Step) -> Laid:
         """Fills the host buffer with the step's layout and sends it."""
-        pool = self.model.pool
-        if pool is not self._pool:  # a new pool: a scratch block of its own for padding
-            self._scratch = pool.take(1)[0] * pool.block_size
-            self._pool = pool
         placed = step.placed
         news = [len(p.token_ids) for p in placed]
         t, b, n, ell = sum(news), len(placed), max(news), max(len(p.slots) for p in placed)
