@@ -155,9 +155,7 @@ class StepGraph:
         used = head + len(logit_rows) + sum(len(m) for m in moves)
         host = self.buffer.writable(used)
         host[:head] = 0
-        f, at = {}, 0
-        for name, size in sizes.items():
-            f[name], at = host[at : at + size], at + size
+        f = carve(host, sizes)
         f["writes"][:] = self._scratch
         f["slots"][:] = self._scratch
         live = sum(news)
@@ -175,14 +173,11 @@ class StepGraph:
             own[i, :k, : _width(p)] = np.tri(k, dtype=np.int64) if p.mask is None else p.mask
         host[head:used] = np.concatenate([logit_rows, *moves])
         self.buffer.send(used)
-        device = self.buffer.device
-        inputs, at = {}, 0
-        for name, size in sizes.items():
-            inputs[name], at = device[at : at + size], at + size
+        inputs = carve(self.buffer.device, sizes)
         inputs["queries"] = inputs["queries"].view(b, n)
         inputs["slots"] = inputs["slots"].view(b, ell)
         inputs["own"] = inputs["own"].view(b, n, w)
-        tail = device[head:used]
+        tail = self.buffer.device[head:used]
         r, m = len(logit_rows), len(moves[0]) if moves else 0
         return Laid(
             inputs,
@@ -253,6 +248,14 @@ def visible(starts, news, own, ell: int) -> torch.Tensor:
     sees = (col < start) | ((rel >= 0) & (rel < w) & shown)
     padding = row >= new
     return ((sees & ~padding) | (padding & (col == 0)))[:, None].contiguous()
+
+
+def carve(flat, sizes: dict[str, int]) -> dict:
+    """Consecutive slices of `flat`, one per field, in the order of `sizes`."""
+    fields, at = {}, 0
+    for name, size in sizes.items():
+        fields[name], at = flat[at : at + size], at + size
+    return fields
 
 
 def _width(p: Placed) -> int:
