@@ -124,14 +124,20 @@ def test_graph_steps_give_the_eager_forwards_rows(tiny_model, attention, buckets
     assert graphs == [warmed_up] * len(graphs), f"after {warmed_up} at warm-up: {graphs}"
 
 
+@pytest.mark.parametrize("attention", [pytest.param("paged", marks=CPU_KERNELS), "padded"])
 @pytest.mark.parametrize("shape", [TreeShape(4, 1, 1), TreeShape(4, 2, 3)], ids=["chain", "tree"])
 def test_a_draft_models_levels_run_as_graph_steps_and_draft_what_eager_drafts(
-    tiny_model, compiled, shape
+    tiny_model, shape, attention
 ):
     """A chain's levels (token ids already on the device) and a tree's (masks over the levels
-    fed before them) go through the graph, and draft the trees the eager forward drafts."""
+    fed before them) go through the graph, draft the trees the eager forward drafts, and
+    compile nothing after the warm-up."""
+    compiled, _ = FlatModel.prepare(
+        tiny_model, compile=True, key="drafter.compile", attention=attention
+    )
+    warmed_up = compiled.graphs
     trees = []
-    for flat in (FlatModel(tiny_model), compiled):
+    for flat in (FlatModel(tiny_model, attention=attention), compiled):
         proposer = DraftModelProposer(flat, shape, sample_support=8)
         jobs = [
             DraftJob(f"s{i}", list(range(7 + i, 30 + 5 * i)), budget=12, temperature=t, seed=i)
@@ -146,3 +152,4 @@ def test_a_draft_models_levels_run_as_graph_steps_and_draft_what_eager_drafts(
             assert flat.graph.steps - steps >= shape.max_depth - 1
     assert trees[0] == trees[1]
     assert all(len(ids) > 1 for ids, _ in trees[1])
+    assert compiled.graphs == warmed_up

@@ -28,7 +28,7 @@ from .gemm import column_major_head
 from .hugepages import to_huge_pages
 from .kv_cache import BLOCK_SIZE, KVPool, OutOfBlocks, SequenceKV
 from .layers import CpuOps, DecoderLayer, RotaryTable, layer_ops
-from .step_graph import StepGraph
+from .step_graph import StepGraph, graph_shapes
 from .tensor_parallel import Shards, ShardsLost
 
 log = logging.getLogger(__name__)
@@ -193,9 +193,10 @@ class FlatModel:
         try:
             self.forward([Segment(kv, [0, 0])])
             self.forward([Segment(kv, [0])])
-            if self.graph is not None:  # its other graphs: several sequences of 1 and 2 tokens
-                self.forward([Segment(kv, [0]), Segment(other, [0])])
-                self.forward([Segment(kv, [0, 0]), Segment(other, [0, 0])])
+            if self.graph is not None:  # its other graphs (0/1 specialisation: graph_shapes)
+                for kvs in ([kv], [kv, other]):
+                    for segment in graph_shapes():
+                        self.forward([segment(k) for k in kvs])
         except Exception as e:
             if self.compiler is None or isinstance(e, ShardsLost):
                 raise
@@ -226,7 +227,7 @@ class FlatModel:
             self.dtype,
             self.device,
             block_size=block_size,
-            blocks=max(1, -(-tokens // block_size)),
+            blocks=max(1, -(-tokens // block_size)) + (self.graph is not None),  # (scratch)
             fixed=fixed,
             model_version=model_version,
         )

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .batch import Placed, Step
+from .batch import Placed, Segment, Step
 
 GRAPH_TOKENS = 64  # the most new tokens of one sequence a graph step takes
 GRAPH_WIDTH = 128  # the widest own mask (entries it covers) a graph step takes
@@ -55,37 +55,43 @@ def bucket(n: int, least: int = 1) -> int:
 
 
 class StepBuffer:
-    """The persistent int64 buffer the graph's index tensors are views of, and its host twin."""
+    """The persistent int64 buffer the graph's index tensors are views of. On CUDA it is filled
+    from two pinned host twins in turn, each with an event that marks the copy out of it done,
+    so that the host lays out a step while the last one's copy may still wait in the stream."""
 
     def __init__(self, device: torch.device, size: int = 1 << 14):
         self.target = device
-        self.size = 0
-        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.cuda = device.type == "cuda"
+        self.turn = 0
         self._allocate(size)
 
     @torch.inference_mode()  # (as the pool's: a graph's guards tell the two kinds apart)
     def _allocate(self, size: int) -> None:
-        host = torch.zeros(size, dtype=torch.int64)
-        cuda = self.target.type == "cuda"
-        self.host = host.pin_memory() if cuda else host
-        self.device = self.host.to(self.target) if cuda else self.host
-        self.np = self.host.numpy()
         self.size = size
+        if not self.cuda:  # (the host is the device: one buffer)
+            self.device = torch.zeros(size, dtype=torch.int64)
+            self.hosts, self.copied = [self.device], [None]
+            return
+        self.device = torch.zeros(size, dtype=torch.int64, device=self.target)
+        self.hosts = [torch.zeros(size, dtype=torch.int64).pin_memory() for _ in range(2)]
+        with torch.cuda.device(self.target):
+            self.copied = [torch.cuda.Event(), torch.cuda.Event()]
 
     def writable(self, size: int) -> np.ndarray:
-        """The host twin, with room for `size` entries, once the last copy out of it is done
-        (on CUDA; long done by the time a step's results were read, so this does not stall)."""
-        if self.copied is not None:
-            self.copied.synchronize()
+        """The next host twin, with room for `size` entries, once the copy out of it two steps
+        ago is done."""
         if size > self.size:
             self._allocate(max(size, 2 * self.size))
-        return self.np
+        self.turn = (self.turn + 1) % len(self.hosts)
+        if (copied := self.copied[self.turn]) is not None:
+            copied.synchronize()
+        return self.hosts[self.turn].numpy()
 
     def send(self, used: int) -> None:
         """The host twin's first `used` entries to the device (one non-blocking copy)."""
-        if self.device is not self.host:
-            self.device[:used].copy_(self.host[:used], non_blocking=True)
-            self.copied.record()
+        if self.cuda:
+            self.device[:used].copy_(self.hosts[self.turn][:used], non_blocking=True)
+            self.copied[self.turn].record(torch.cuda.current_stream(self.target))
 
 
 @dataclass
@@ -113,10 +119,16 @@ class StepGraph:
         self._kv_of = (0, 0)  # the pool tensors' addresses they are views of
         self.steps = 0  # steps run through the graph
 
+    @torch.inference_mode()
     def adopt(self, pool) -> None:
-        """A new pool: a scratch block of its own for padding (taken before any sequence's,
-        so that a fixed pool's admission counts without it)."""
-        self._scratch = pool.take(1)[0] * pool.block_size
+        """A new pool: a scratch block of its own for padding, taken before any sequence's (a
+        fixed pool is made one block larger for it) and zeroed (padding columns read it: SDPA
+        masks them by adding -inf, which leaves a NaN a NaN)."""
+        block = pool.take(1)[0]
+        self._scratch = block * pool.block_size
+        for tensor in (pool.keys, pool.values):
+            tensor[:, self._scratch : self._scratch + pool.block_size] = 0
+        self._kv, self._kv_of = ([], []), (0, 0)  # (the last pool's views let it go)
 
     @staticmethod
     def fits(placed: list[Placed]) -> bool:
@@ -250,6 +262,18 @@ def visible(starts, news, own, ell: int) -> torch.Tensor:
     return ((sees & ~padding) | (padding & (col == 0)))[:, None].contiguous()
 
 
+def graph_shapes() -> list:
+    """Segments (functions of a sequence's KV) of every kind of size the graph specialises on
+    being 1 or not (with SDPA; the paged kernel's graph does not): 1 or 2 new tokens, an own
+    mask over the new tokens alone or also over an entry before them (a draft model's tree
+    level). Run with one sequence and with two, they compile every graph at warm-up."""
+
+    def level(kv):  # (one new token seeing the entry before it through its own mask)
+        return Segment(kv, [0], mask=np.ones((1, 2), dtype=bool), mask_from=kv.length - 1)
+
+    return [lambda kv: Segment(kv, [0]), lambda kv: Segment(kv, [0, 0]), level]
+
+
 def carve(flat, sizes: dict[str, int]) -> dict:
     """Consecutive slices of `flat`, one per field, in the order of `sizes`."""
     fields, at = {}, 0
@@ -261,7 +285,9 @@ def carve(flat, sizes: dict[str, int]) -> dict:
 def _width(p: Placed) -> int:
     """The entries a placed segment's own mask covers: its new tokens, and the entries from
     mask_from on before them."""
-    return len(p.token_ids) + (0 if p.mask_from is None else p.past - p.mask_from)
+    if p.mask is None or p.mask_from is None:  # (without a mask, mask_from means nothing)
+        return len(p.token_ids)
+    return len(p.token_ids) + p.past - p.mask_from
 
 
 def padded_attention(q, keys, values, slots, mask, queries) -> torch.Tensor:
