@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 # graph was traced (duck sizing). With torch's default the graph step compiled a new graph for
 # such coincidences (7 graphs over 20 shapes of batches, trees and prompts on the proxy, and
 # past torch's limit of 8 in a benchmark's run, after which dynamo runs new shapes eagerly);
-# with this, 4: one or several sequences, by one or several tokens (0/1 specialisation), and
-# with size-oblivious guards, 1 (which inductor's lowering of SDPA on the CPU refuses: its
-# strides fail an assertion; the paged kernel's graph takes them).
+# with this, 6: one or several sequences, by one or several tokens, an own mask of one entry
+# or more (0/1 specialisation), and with size-oblivious guards, 1 (which inductor's lowering of
+# SDPA on the CPU refuses: its strides fail an assertion; the paged kernel's graph takes them).
 SHAPES = {"use_duck_shape": False}
 
 

@@ -14,9 +14,9 @@ inside the graph from each sequence's new token count, where its own mask starts
 verifier's tree; a draft model's tree level also sees the levels fed before it, from its
 committed tokens on); every entry before the own mask's start is seen. The function is
 compiled with dynamic shapes (compiler.py), so every step shape runs one graph with the paged
-kernel, or one of 4 with SDPA (one or several sequences by one or several tokens: 0/1
-specialisation); the warm-up compiles them and every graph is counted (`Compiler.graphs`, the
-`*_compiled_graphs_total` metric).
+kernel, or one of 6 with SDPA (one or several sequences, tokens, own mask columns: 0/1
+specialisation); the warm-up compiles them (`graph_shapes`) and every graph is counted
+(`Compiler.graphs`, the `*_compiled_graphs_total` metric).
 
 Buckets. On CUDA, T, B and N are rounded up to powers of two and L to a power of two of at
 least MIN_CONTEXT, so that a bucket's tensors keep their shapes and addresses from step to
