@@ -318,15 +318,18 @@ def test_a_passed_deadline_stops_the_work_and_reports_deadline_exceeded(chaos, s
             scheduler_pb2.SubmitRequest(
                 request_id="chaos-deadline",
                 prompt_ids=ids,
-                max_tokens=1000,  # more than the 3 s allow
+                # Far more than the 2 s allow: one token a step (speculating, the tiny model's
+                # repetitive output came out 1,000 tokens in under 3 s; plainly, 1,253 in 3 s).
+                max_tokens=2000,
+                speculation=common_pb2.SpeculationOptions(mode=common_pb2.SPECULATION_MODE_OFF),
                 priority=common_pb2.PRIORITY_CLASS_INTERACTIVE,
                 # Room to be placed and prefilled on a loaded machine before it passes.
-                deadline_unix_ms=int(time.time() * 1000) + 3000,
+                deadline_unix_ms=int(time.time() * 1000) + 2000,
             ),
             timeout=10,
         )
     rec = wait_ended(store, "chaos-deadline")
-    assert rec.status == "expired" and 0 < rec.generated < 1000
+    assert rec.status == "expired" and 0 < rec.generated < 2000
     wait_until_gone(verifier_stubs(chaos), "chaos-deadline")
     with grpc.insecure_channel(chaos.procs["gateway"].address) as channel:
         gateway = generation_pb2_grpc.GenerationServiceStub(channel)
