@@ -18,8 +18,8 @@ kernel, or one of 6 with SDPA (one or several sequences, tokens, own mask column
 specialisation); the warm-up compiles them (`graph_shapes`) and every graph is counted
 (`Compiler.graphs`, the `*_compiled_graphs_total` metric).
 
-Buckets. On CUDA, T, B and N are rounded up to powers of two and L to a power of two of at
-least MIN_CONTEXT, so that a bucket's tensors keep their shapes and addresses from step to
+Buckets. On CUDA, T, B, N and W are rounded up to powers of two and L to a power of two of
+at least MIN_CONTEXT, so that a bucket's tensors keep their shapes and addresses from step to
 step, as capturing a CUDA graph needs (capture itself is not built: no device here has run
 it). Padding rows are token 0 at position 0 and write their K/V to a scratch block of the pool
 that no sequence holds; padding queries see only their sequence's first entry (a padding
@@ -27,11 +27,11 @@ sequence's is the scratch slot). On a CPU nothing is padded: padding costs compu
 16-node tree's step of the default target rounded up to 32 rows took 253 ms against 147 ms
 eager), and no graph is captured.
 
-Buffer. The index tensors are views of one int64 device buffer, filled from a host twin
-(pinned on CUDA) in one non-blocking copy per step; it grows by doubling when a step needs
-more. Its tail holds what the step reads outside the graph: the rows that get logits and the
-KV moves of paths kept since the last step. The final norm and the LM head run eagerly on
-the rows that get logits, as in the eager path.
+Buffer. The index tensors are views of one int64 device buffer, filled from the host (on CUDA
+from two pinned twins in turn) in one non-blocking copy per step; it grows by doubling when a
+step needs more. Its tail holds what the step reads outside the graph: the rows that get logits
+and the KV moves of paths kept since the last step. The final norm and the LM head run eagerly
+on the rows that get logits, as in the eager path.
 """
 
 from __future__ import annotations
