@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .batch import Placed, Segment, Step
+from .attention import attend_group, paged_group
+from .batch import AttentionGroup, Placed, Segment, Step
 
 GRAPH_TOKENS = 64  # the most new tokens of one sequence a graph step takes
 GRAPH_WIDTH = 128  # the widest own mask (entries it covers) a graph step takes
@@ -230,21 +230,34 @@ class StepGraph:
     def _body(self, ids, cos, sin, writes, rows, queries, slots, starts, news, own, keys, values):
         """The compiled function: the [T] rows' hidden states after the last layer."""
         model = self.model
-        mask = visible(starts, news, own, slots.shape[1])  # [B, 1, N, L]
+        b, n = queries.shape
+        group = AttentionGroup(  # (the eager path's one-group layout: attention.py reads it)
+            rows=None,
+            kv_slots=slots,
+            kv_range=None,
+            query_index=queries.flatten(),
+            output_index=rows,
+            mask=visible(starts, news, own, slots.shape[1]),  # [B, 1, N, L]
+            shape=(b, n, slots.shape[1]),
+        )
+        kernel = paged_group if model.attention == "paged" else attend_group
+        pool = LayerViews(keys, values)
         hidden = model.body.embed_tokens(ids)
         for index, layer in enumerate(model.layers):
             q, k, v = layer.front(hidden, cos, sin)
             keys[index].index_put_((writes,), k)
             values[index].index_put_((writes,), v)
-            if model.attention == "paged":
-                attended = torch.ops.specserve.paged_attention(
-                    q, keys[index], values[index], slots, mask, rows, q.shape[-1] ** -0.5
-                )
-            else:
-                attended = padded_attention(q, keys[index], values[index], slots, mask, queries)
-                attended = attended[rows]
-            hidden = layer.back(hidden, attended)
+            hidden = layer.back(hidden, kernel(pool, index, group, q))
         return hidden
+
+
+@dataclass
+class LayerViews:
+    """The pool's keys and values as the graph takes them, one view a layer (what attention.py
+    indexes a pool's by)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
 
 
 def visible(starts, news, own, ell: int) -> torch.Tensor:
@@ -288,14 +301,3 @@ def _width(p: Placed) -> int:
     if p.mask is None or p.mask_from is None:  # (without a mask, mask_from means nothing)
         return len(p.token_ids)
     return len(p.token_ids) + p.past - p.mask_from
-
-
-def padded_attention(q, keys, values, slots, mask, queries) -> torch.Tensor:
-    """SDPA over each sequence's entries gathered by slot: [B * N, heads, head_dim], padded
-    query b * N + i being row queries[b, i] of q."""
-    b, n = queries.shape
-    k = keys[slots].transpose(1, 2)  # [B, kv_heads, L, head_dim]
-    v = values[slots].transpose(1, 2)
-    padded = q[queries.flatten()].view(b, n, *q.shape[1:]).transpose(1, 2)  # [B, heads, N, d]
-    out = F.scaled_dot_product_attention(padded, k, v, attn_mask=mask, enable_gqa=True)
-    return out.transpose(1, 2).reshape(b * n, *q.shape[1:])
