@@ -59,8 +59,8 @@ MODEL_BUDGET, DEEP_BUDGET = 6, 64  # config/specserve.yaml's tree sizes
 # --- the target's outputs -----------------------------------------------------------------
 def target_outputs(rows: list[dict], tokens: int, dtype: str, device: str) -> tuple[list, str]:
     """(prompt ids, greedy output ids) per question, and the served version they are of."""
-    from specserve.common import models
     from specserve.common.settings import VerifierSettings
+    from specserve.engine import models
 
     settings = VerifierSettings()
     path, manifest = models.resolve(settings.model, settings.model_cache_dir)
@@ -134,7 +134,7 @@ class PromptLookup:
         self.depth, self.ngram = depth, ngram
 
     def propose(self, jobs):
-        from specserve.common.tree import DraftTree
+        from specserve.speculation.tree import DraftTree
 
         trees = []
         for job in jobs:
@@ -161,10 +161,10 @@ class PromptLookup:
 
 
 def make_proposer(name: str, dtype: str, device: str):
-    from specserve.common.proposers.base import TreeShape
-    from specserve.common.proposers.ngram import NgramProposer
-    from specserve.common.proposers.suffix import SuffixProposer
     from specserve.common.settings import DrafterSettings
+    from specserve.speculation.ngram import NgramProposer
+    from specserve.speculation.proposer import TreeShape
+    from specserve.speculation.suffix import SuffixProposer
 
     section = yaml.safe_load(DEFAULT_CONFIG.read_text())["drafter"]
     settings = DrafterSettings(**{k: v for k, v in section.items() if k != "port"})
@@ -182,8 +182,8 @@ def make_proposer(name: str, dtype: str, device: str):
             return ArcticSuffix()
         except ArcticUnavailable as e:
             raise SystemExit(f"--proposers arctic: {e}; or leave arctic out") from e
-    from specserve.drafter import draft_model
-    from specserve.drafter.hybrid import HybridProposer
+    from specserve.speculation import draft_model
+    from specserve.speculation.hybrid import HybridProposer
 
     shape = {"chain": (6, 1, 1), "tree": (6, 2, 4), "hybrid": (6, 1, 1)}[name]
     settings = settings.model_copy(
@@ -207,7 +207,7 @@ def accepted(tree, reference: list[int]) -> int:
 
 
 def replay(proposer, name: str, prompt: list[int], output: list[int], qid: int) -> dict:
-    from specserve.common.proposers.base import DraftJob
+    from specserve.speculation.proposer import DraftJob
 
     seq_id = f"{name}-{qid}"
     budget = 16 if name == "tree" else MODEL_BUDGET

@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from specserve.local_cluster import LocalCluster, free_port, without_security
+from specserve.tools.local_cluster import LocalCluster, free_port, without_security
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .speculative import SHORT, WARM_UP, start_drafter, timing

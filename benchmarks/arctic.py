@@ -109,7 +109,7 @@ class ArcticSuffix:
         self.ending: str | None = None
 
     def propose(self, jobs):
-        from specserve.common.tree import DraftTree
+        from specserve.speculation.tree import DraftTree
 
         trees = []
         for job in jobs:

@@ -40,13 +40,13 @@ from pathlib import Path
 
 import torch
 
-from specserve.common import models
 from specserve.common.settings import ModelRef, ServiceSettings, VerifierSettings
-from specserve.common.tree import DraftTree
+from specserve.engine import models
 from specserve.engine.flat_model import FlatModel, Segment
-from specserve.plan import measure_this_machine
+from specserve.speculation.sampling import SamplingParams
+from specserve.speculation.tree import DraftTree
+from specserve.tools.plan import measure_this_machine
 from specserve.verifier.runner import ModelRunner
-from specserve.verifier.sampling import SamplingParams
 from specserve.verifier.sequence import Committed, Sequence
 
 from . import machine

@@ -125,8 +125,8 @@ def copy_model_dirs(dest: Path) -> None:
     """The catalog directories of the default target and draft (and of the engine
     benchmark's tiny model, where fetched), weights left out, and roles.json: which is which
     (`{"target": "name/version", ...}`)."""
-    from specserve.common import models
     from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
+    from specserve.engine import models
 
     from .engine import TINY
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specserve.common import models
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
+from specserve.engine import models
 
 from .engine import TINY
 

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from specserve.common.models import DEFAULT_MODELS, model_dir
 from specserve.common.settings import ServiceSettings
+from specserve.engine.models import DEFAULT_MODELS, model_dir
 
 K = 4  # rollback depth: a speculative draft of 4
 XGR_THREADS = 8  # GrammarCompiler's default max_threads

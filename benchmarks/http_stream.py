@@ -30,7 +30,7 @@ import grpc
 from benchmarks import write_results
 from benchmarks.long_output import tiny_config, tiny_model_dir
 from specserve.common.settings import ServiceSettings
-from specserve.local_cluster import LocalCluster
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 

@@ -40,17 +40,17 @@ from pathlib import Path
 
 import torch
 
-from specserve.common import models
 from specserve.common.capacity import kv_need
 from specserve.common.settings import ModelRef, ServiceSettings
-from specserve.common.store import RequestStore
-from specserve.common.tree import DraftTree
+from specserve.engine import models
 from specserve.engine.flat_model import FlatModel
-from specserve.local_cluster import free_port
+from specserve.speculation.sampling import SamplingParams
+from specserve.speculation.tree import DraftTree
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import free_port
 from specserve.verifier.admission import Admission, Refused
 from specserve.verifier.engine import Engine
 from specserve.verifier.runner import ModelRunner
-from specserve.verifier.sampling import SamplingParams
 from specserve.verifier.sequence import Sequence
 
 VID = "bench-verifier"

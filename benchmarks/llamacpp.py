@@ -46,9 +46,9 @@ from urllib.parse import urljoin
 
 import grpc
 
-from specserve.common import models
 from specserve.common.settings import ModelRef, ServiceSettings
-from specserve.local_cluster import LocalCluster, free_port, without_security
+from specserve.engine import models
+from specserve.tools.local_cluster import LocalCluster, free_port, without_security
 from specserve.v1 import common_pb2, generation_pb2_grpc
 
 from . import machine

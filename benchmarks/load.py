@@ -34,7 +34,7 @@ import grpc
 import numpy as np
 import torch
 
-from specserve.local_cluster import LocalCluster, without_security
+from specserve.tools.local_cluster import LocalCluster, without_security
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .prompts import PROMPTS

@@ -31,10 +31,10 @@ import torch
 
 from benchmarks import write_results
 from benchmarks.kv_concurrency import tiny_qwen
-from specserve.common import models
 from specserve.common.settings import ModelRef, ServiceSettings
-from specserve.common.store import RequestStore
-from specserve.local_cluster import LocalCluster, free_port, without_security
+from specserve.engine import models
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import LocalCluster, free_port, without_security
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import grpc
 import torch
 
-from specserve.common import models
 from specserve.common.settings import ModelRef, ServiceSettings
-from specserve.local_cluster import LocalCluster, without_security
+from specserve.engine import models
+from specserve.tools.local_cluster import LocalCluster, without_security
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 

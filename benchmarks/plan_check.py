@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from specserve.common import models
 from specserve.common.settings import ModelRef, ServiceSettings
-from specserve.plan import Load, measure_this_machine, plan, shape_from_dir
+from specserve.engine import models
+from specserve.tools.plan import Load, measure_this_machine, plan, shape_from_dir
 
 PROMPT = [151644, 872, 198, 750, 16326]  # a short chat turn of the default tokenizer
 

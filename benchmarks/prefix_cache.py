@@ -28,7 +28,7 @@ import redis
 
 from specserve.common.settings import DEFAULT_TIERS
 from specserve.gateway.keys import KeyStore
-from specserve.local_cluster import LocalCluster, without_security
+from specserve.tools.local_cluster import LocalCluster, without_security
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 QUESTIONS = [

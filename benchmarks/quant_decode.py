@@ -35,9 +35,8 @@ from pathlib import Path
 
 import torch
 
-from specserve.common import models
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
-from specserve.engine import quant
+from specserve.engine import models, quant
 from specserve.engine.flat_model import FlatModel, Segment
 
 PROMPT = "Write a Python function that checks whether a string is a palindrome, with a docstring."

@@ -40,8 +40,8 @@ import grpc
 import yaml
 
 from benchmarks import write_results
-from specserve.common.store import RequestStore
-from specserve.local_cluster import LocalCluster, without_security
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import LocalCluster, without_security
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 VID = "bench-verifier"

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from specserve.common.tree import DraftTree
-from specserve.verifier.acceptance import Candidates, select
-from specserve.verifier.sampling import SamplingParams, make_generator
+from specserve.speculation.acceptance import Candidates, select
+from specserve.speculation.sampling import SamplingParams, make_generator
+from specserve.speculation.tree import DraftTree
 from tests.reference_acceptance import walk
 
 VOCAB = 151936

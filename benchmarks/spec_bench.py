@@ -42,7 +42,7 @@ from pathlib import Path
 import grpc
 import yaml
 
-from specserve.local_cluster import LocalCluster, without_security
+from specserve.tools.local_cluster import LocalCluster, without_security
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from . import workloads

@@ -43,10 +43,10 @@ import torch
 import yaml
 from transformers.generation.streamers import BaseStreamer
 
-from specserve.common import models
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
-from specserve.common.store import RequestStore
-from specserve.local_cluster import LocalCluster, free_port, without_security
+from specserve.engine import models
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import LocalCluster, free_port, without_security
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 

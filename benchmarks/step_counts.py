@@ -138,8 +138,8 @@ def proxy_model(vocab_size: int):
 
 def save_proxy(path: Path) -> None:
     """The proxy model and the default target's tokenizer, saved as a model directory."""
-    from specserve.common import models
     from specserve.common.settings import VerifierSettings
+    from specserve.engine import models
 
     settings = VerifierSettings()
     target, _ = models.resolve(settings.model, settings.model_cache_dir)
@@ -156,7 +156,7 @@ class FixedTrees:
         self.nodes, self.vocab_size = nodes, vocab_size
 
     def propose(self, seqs, other_tokens=0, first_token=False):
-        from specserve.common.tree import DraftTree
+        from specserve.speculation.tree import DraftTree
 
         trees = []
         for i, seq in enumerate(seqs):
@@ -184,12 +184,12 @@ class FixedTrees:
 def count_step(
     model, redis_url: str, batch: int, nodes: int, context: int, sampled: bool, flat=None
 ):
-    from specserve.common.store import RequestStore
     from specserve.engine.flat_model import FlatModel
+    from specserve.speculation.sampling import SamplingParams
+    from specserve.store import RequestStore
     from specserve.verifier.admission import Admission
     from specserve.verifier.engine import Engine
     from specserve.verifier.runner import ModelRunner
-    from specserve.verifier.sampling import SamplingParams
     from specserve.verifier.sequence import Sequence
 
     store = RequestStore.from_url(redis_url)
@@ -242,9 +242,9 @@ def count_draft(model, batch: int, shape, temperature: float, context: int = 64)
     """One draft-model proposal of 16-node trees for `batch` sequences, counted (each
     sequence's prompt drafted once before, so its KV is there, and two tokens accepted
     since); with the fewest nodes a tree got."""
-    from specserve.common.proposers.base import DraftJob
-    from specserve.drafter.draft_model import DraftModelProposer
     from specserve.engine.flat_model import FlatModel
+    from specserve.speculation.draft_model import DraftModelProposer
+    from specserve.speculation.proposer import DraftJob
 
     proposer = DraftModelProposer(FlatModel(model), shape, sample_support=8)
     vocab = model.config.vocab_size
@@ -324,7 +324,7 @@ def main() -> None:
     if args.save_proxy:
         save_proxy(Path(args.save_proxy))
         return
-    from specserve.local_cluster import LocalCluster
+    from specserve.tools.local_cluster import LocalCluster
 
     torch.set_num_threads(2)
     model = proxy_model(151_936)
@@ -346,7 +346,7 @@ def main() -> None:
                     rows.append(row)
         finally:
             redis.kill_redis()
-    from specserve.common.proposers.base import TreeShape
+    from specserve.speculation.proposer import TreeShape
 
     drafts = []
     shapes = {"tree": TreeShape(4, 2, 4), "chain": TreeShape(4, 1, 1)}

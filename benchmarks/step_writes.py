@@ -34,9 +34,9 @@ import torch
 from benchmarks import write_results
 from benchmarks.kv_concurrency import VID, NoDrafts, sequence, smollm2, tiny_qwen
 from specserve.common.settings import ServiceSettings
-from specserve.common.store import RequestStore
 from specserve.engine.flat_model import FlatModel
-from specserve.local_cluster import free_port
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import free_port
 from specserve.verifier.admission import Admission
 from specserve.verifier.engine import Engine
 from specserve.verifier.runner import ModelRunner

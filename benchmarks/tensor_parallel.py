@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine import spread
-from specserve.common import models
 from specserve.common.settings import ModelRef, ServiceSettings
+from specserve.engine import models
 from specserve.engine.flat_model import FlatModel, Segment
 from specserve.verifier.ranks import Ranks
 

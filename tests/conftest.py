@@ -18,12 +18,14 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from specserve.common import models  # noqa: E402
 from specserve.common.settings import ModelRef, ServiceSettings  # noqa: E402
-from specserve.common.store import RequestStore  # noqa: E402
 from specserve.common.tls import dev_tls_config  # noqa: E402
-from specserve.engine import kernels  # noqa: E402
-from specserve.local_cluster import LocalCluster, without_security  # noqa: E402
+from specserve.engine import (
+    kernels,  # noqa: E402
+    models,
+)
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import LocalCluster, without_security
 from specserve.v1 import generation_pb2_grpc  # noqa: E402
 
 TARGET = ModelRef()  # the default target model

@@ -51,7 +51,7 @@ def make_sequence(
     prompt: list[int], output: list[int] | None = None, max_tokens: int = 100, rid: str = "r"
 ):
     """A verifier Sequence for tests that drive the model pieces directly (greedy)."""
-    from specserve.verifier.sampling import SamplingParams
+    from specserve.speculation.sampling import SamplingParams
     from specserve.verifier.sequence import Sequence
 
     return Sequence(

@@ -13,7 +13,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from helpers import wait_until
-from specserve.local_cluster import free_port
+from specserve.tools.local_cluster import free_port
 
 NODE_TIMEOUT_MS = 1000  # how long a master is unreachable before its replica takes over
 

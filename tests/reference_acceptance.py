@@ -3,15 +3,15 @@ vectorised `select` is checked against (and the "before" of benchmarks/selection
 
 Greedy: follow the first child whose token is the target's argmax; the bonus is that argmax.
 Sampling: recursive rejection sampling over each node's children in draw order (the terms
-are defined in specserve.verifier.acceptance)."""
+are defined in specserve.speculation.acceptance)."""
 
 from __future__ import annotations
 
 import torch
 
-from specserve.common.tree import DraftTree
-from specserve.verifier.acceptance import Verdict
-from specserve.verifier.sampling import SamplingParams, target_probs
+from specserve.speculation.acceptance import Verdict
+from specserve.speculation.sampling import SamplingParams, target_probs
+from specserve.speculation.tree import DraftTree
 
 EPS = 1e-12
 

@@ -10,11 +10,9 @@ import torch
 
 from conftest import CPU_KERNELS, DEVICE
 from reference_acceptance import walk
-from specserve.common.tree import DraftTree
-from specserve.drafter.draft_model import gumbel_order
 from specserve.engine import kernels
-from specserve.verifier import rejection
-from specserve.verifier.acceptance import (
+from specserve.speculation import rejection
+from specserve.speculation.acceptance import (
     Candidates,
     NonFinite,
     Verdict,
@@ -23,7 +21,9 @@ from specserve.verifier.acceptance import (
     select_on_device,
     select_walked,
 )
-from specserve.verifier.sampling import SamplingParams, target_probs
+from specserve.speculation.draft_model import gumbel_order
+from specserve.speculation.sampling import SamplingParams, target_probs
+from specserve.speculation.tree import DraftTree
 
 V = 6
 GREEDY = SamplingParams()
@@ -337,8 +337,8 @@ def test_seeded_selection_is_reproducible_and_its_own():
 def test_sampling_with_suffix_trees_matches_the_target_distribution():
     """The suffix proposer's trees (point masses, branched by frequency, two levels here)
     keep sampling exact: the first two emitted tokens are independent draws from p."""
-    from specserve.common.proposers.base import DraftJob
-    from specserve.common.proposers.suffix import SharedOutputs, SuffixProposer
+    from specserve.speculation.proposer import DraftJob
+    from specserve.speculation.suffix import SharedOutputs, SuffixProposer
 
     proposer = SuffixProposer(SharedOutputs(1000, 1), min_match=1, min_token_prob=0.0)
     for first, second in [(0, 1), (0, 2), (3, 1), (4, 5), (0, 1)]:

@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import cluster_config
 from helpers import Client, request, wait_until
-from specserve.common.store import ENDED, GROUP, QUEUE_CLASSES, RequestStore, queue_key
-from specserve.local_cluster import LocalCluster, free_port
+from specserve.store import ENDED, GROUP, QUEUE_CLASSES, RequestStore, queue_key
+from specserve.tools.local_cluster import LocalCluster, free_port
 from specserve.v1 import (
     common_pb2,
     generation_pb2,

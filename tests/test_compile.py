@@ -9,11 +9,11 @@ import torch
 
 from conftest import CPU_KERNELS
 from helpers import make_sequence
-from specserve.common.proposers.base import DraftJob, TreeShape
-from specserve.common.tree import DraftTree
-from specserve.drafter.draft_model import DraftModelProposer
 from specserve.engine.compiler import CompileFailed, Compiler
 from specserve.engine.flat_model import FlatModel, Segment
+from specserve.speculation.draft_model import DraftModelProposer
+from specserve.speculation.proposer import DraftJob, TreeShape
+from specserve.speculation.tree import DraftTree
 from specserve.verifier.reference import hf_greedy
 from specserve.verifier.runner import tree_segment
 

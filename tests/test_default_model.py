@@ -10,8 +10,8 @@ import pytest
 
 from conftest import DEVICE, cluster_config, default_target_dir
 from helpers import generate, request, scrape
-from specserve.common import models
-from specserve.local_cluster import LocalCluster
+from specserve.engine import models
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 

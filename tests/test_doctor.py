@@ -10,12 +10,12 @@ import yaml
 
 from conftest import cluster_config
 from specserve.common.tls import dev_tls_config, make_dev_certs
-from specserve.local_cluster import free_port
+from specserve.tools.local_cluster import free_port
 
 
 def doctor(config, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "specserve.cli", "--config", str(config), "doctor", *flags],
+        [sys.executable, "-m", "specserve.tools.cli", "--config", str(config), "doctor", *flags],
         capture_output=True,
         text=True,
         timeout=180,
@@ -54,7 +54,7 @@ def test_a_healthy_cluster_passes(tiny_cluster):
 def test_the_health_probe_of_a_verifier_says_what_it_serves(tiny_cluster):
     port = str(tiny_cluster.procs["verifier"].port)
     run = subprocess.run(
-        [sys.executable, "-m", "specserve.cli", "--config", str(tiny_cluster.config_path)]
+        [sys.executable, "-m", "specserve.tools.cli", "--config", str(tiny_cluster.config_path)]
         + ["health", "verifier", "--port", port],
         capture_output=True,
         text=True,

@@ -12,8 +12,8 @@ import redis
 from conftest import cluster_config
 from helpers import generate, request, wait_until
 from specserve.common.outage import OutageLog
-from specserve.common.store import RequestStore
-from specserve.local_cluster import LocalCluster
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2_grpc
 from specserve.verifier.drafter_pool import DrafterPool
 

@@ -18,18 +18,18 @@ import torch
 
 from conftest import DEVICE
 from helpers import make_sequence, wait_until
-from specserve.common import models
-from specserve.common.proposers.base import DraftJob, TreeShape
-from specserve.common.store import RequestStore
-from specserve.drafter.draft_model import DraftModelProposer
+from specserve.engine import models
 from specserve.engine.flat_model import FlatModel
-from specserve.verifier import acceptance as acceptance_module
+from specserve.speculation import acceptance as acceptance_module
+from specserve.speculation.draft_model import DraftModelProposer
+from specserve.speculation.proposer import DraftJob, TreeShape
+from specserve.speculation.sampling import SamplingParams
+from specserve.store import RequestStore
 from specserve.verifier import engine as engine_module
 from specserve.verifier.admission import Admission
 from specserve.verifier.engine import Engine
 from specserve.verifier.reference import hf_greedy
 from specserve.verifier.runner import ModelRunner
-from specserve.verifier.sampling import SamplingParams
 
 VID = "verifier-under-test"
 PROMPTS = [[9707, 11, 1879, 0, 9707], [750, 75698, 1445, 982], [1, 2, 3, 4, 5, 1, 2]]
@@ -81,7 +81,7 @@ class NoDrafts(TargetDrafts):
         pass
 
     def propose(self, seqs, other_tokens=0, first_token=False):
-        from specserve.common.tree import DraftTree
+        from specserve.speculation.tree import DraftTree
 
         return [DraftTree() for _ in seqs]
 

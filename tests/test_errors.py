@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from helpers import generate, request
-from specserve.common.store import req_key
 from specserve.gateway.validation import _lenient_class
+from specserve.store import req_key
 from specserve.v1 import common_pb2, generation_pb2, verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.cluster  # every test here runs a cluster

@@ -12,9 +12,9 @@ import redis
 from conftest import cluster_config
 from helpers import request, wait_until
 from specserve.common.settings import DEFAULT_TIERS, Tier
-from specserve.common.store import req_key
 from specserve.gateway.keys import KeyStore
-from specserve.local_cluster import LocalCluster
+from specserve.store import req_key
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.cluster  # every test here runs a cluster

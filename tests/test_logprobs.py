@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from helpers import generate, request
-from specserve.common import logprobs as wire
-from specserve.common.tree import DraftTree
+from specserve.common import logprob_format as wire
+from specserve.speculation.acceptance import Verdict
+from specserve.speculation.tree import DraftTree
 from specserve.v1 import common_pb2
 from specserve.verifier import logprobs
-from specserve.verifier.acceptance import Verdict
 
 TOP = 5
 TOLERANCE = 1e-4  # float32: a tree's row and plain decoding's row for a position differ in rounding

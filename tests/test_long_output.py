@@ -13,8 +13,8 @@ import pytest
 from conftest import cluster_config
 from helpers import Client, wait_until
 from specserve.common.settings import GatewaySettings, VerifierSettings
-from specserve.common.store import RequestStore
-from specserve.local_cluster import LocalCluster, free_port
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import LocalCluster, free_port
 from specserve.v1 import common_pb2
 
 

@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from specserve.common import models
+from specserve.engine import models
 
 
 def wheel(path, files: dict[str, bytes]):
@@ -61,7 +61,15 @@ def test_the_tiny_benchmark_model_is_in_the_catalog_but_not_fetched_by_default()
 def test_models_wait_waits_for_another_fetch_and_fails_clearly_without_one(tmp_path):
     """An init container's wait for the Kubernetes models Job: it fetches nothing, ends as
     soon as the model is verified in the shared cache, and fails naming what is missing."""
-    cli = [sys.executable, "-m", "specserve.cli", "models", "--cache-dir", str(tmp_path), "wait"]
+    cli = [
+        sys.executable,
+        "-m",
+        "specserve.tools.cli",
+        "models",
+        "--cache-dir",
+        str(tmp_path),
+        "wait",
+    ]
     ref = "qwen2.5-coder-0.5b-instruct@0.9.0"
     gone = subprocess.run(
         [*cli, ref, "--timeout", "0.5"], capture_output=True, text=True, timeout=60

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.common.ownership import EARLIER_INCARNATION, NOT_RUNNING, OrphanFinder
-from specserve.common.store import RequestStore, now_ms
-from specserve.doctor import orphans_finding
+from specserve.store import RequestStore, now_ms
+from specserve.store.ownership import EARLIER_INCARNATION, NOT_RUNNING, OrphanFinder
+from specserve.tools.doctor import orphans_finding
 
 GRACE_MS = 1000
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import default_target_dir
-from specserve.plan import (
+from specserve.tools.plan import (
     PRESETS,
     Load,
     expected_tokens,
@@ -133,7 +133,7 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path):
         [
             sys.executable,
             "-m",
-            "specserve.cli",
+            "specserve.tools.cli",
             "plan",
             "--device",
             "h200",

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specserve.verifier.policy import (
+from specserve.speculation.policy import (
     EXPLORE_ALPHA,
     PROBE_EVERY,
     AdaptivePolicy,
@@ -188,8 +188,8 @@ def test_the_acceptance_replay_accepts_what_a_tree_path_follows():
     """benchmarks/acceptance.py's rule: the longest path of the tree that the target's output
     follows, from the root; and Hugging Face's prompt lookup rule as written there."""
     from benchmarks.acceptance import PromptLookup, accepted
-    from specserve.common.proposers.base import DraftJob
-    from specserve.common.tree import DraftTree
+    from specserve.speculation.proposer import DraftJob
+    from specserve.speculation.tree import DraftTree
 
     tree = DraftTree()
     a = tree.add(5, -1)

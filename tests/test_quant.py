@@ -9,13 +9,12 @@ from test_speculative import PROMPTS, speculative_greedy
 from torch import nn
 
 from conftest import DEVICE, NOISE, default_target_dir, save_tiny_qwen
-from specserve.common import models
-from specserve.common.proposers.base import TreeShape
 from specserve.common.settings import DrafterSettings, ModelRef, ServiceSettings
-from specserve.drafter import draft_model
-from specserve.drafter.draft_model import DraftModelProposer
-from specserve.engine import dtypes, gemm, kernels, quant
+from specserve.engine import dtypes, gemm, kernels, models, quant
 from specserve.engine.flat_model import FlatModel, Segment
+from specserve.speculation import draft_model
+from specserve.speculation.draft_model import DraftModelProposer
+from specserve.speculation.proposer import TreeShape
 from specserve.verifier.sequence import common_prefix
 
 KINDS = ["int8", "int4"]

@@ -11,8 +11,8 @@ import redis
 
 from conftest import cluster_config
 from helpers import request, scrape
-from specserve.common.store import req_key
-from specserve.local_cluster import LocalCluster
+from specserve.store import req_key
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.cluster  # every test here runs a cluster

@@ -18,9 +18,9 @@ from redis_cluster import RedisClusterNodes
 from conftest import cluster_config
 from helpers import request, wait_until
 from specserve.common.settings import Tier
-from specserve.common.store import CLUSTER_SHARDS, NotReplicated, RequestStore, StepState
 from specserve.gateway.keys import KeyStore
-from specserve.local_cluster import LocalCluster
+from specserve.store import CLUSTER_SHARDS, NotReplicated, RequestStore, StepState
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 # Redis Cluster nodes, and services on them, are processes of their own.

@@ -16,7 +16,7 @@ from conftest import cluster_config
 from helpers import generate, request, wait_until
 from specserve.common.grpc_server import Server
 from specserve.common.probes import Probes
-from specserve.local_cluster import LocalCluster, Proc, free_port
+from specserve.tools.local_cluster import LocalCluster, Proc, free_port
 from specserve.v1 import generation_pb2_grpc
 
 GONE = "redis unreachable; retrying"

@@ -16,9 +16,9 @@ from test_chaos import MAX_TOKENS, PROMPTS, assert_nothing_lost, report
 
 from conftest import cluster_config
 from helpers import Client, wait_until
-from specserve.common.store import ENDED, GROUP, RequestStore, now_ms, queue_key, queued_key
-from specserve.common.store import req_key as request_key
-from specserve.local_cluster import LocalCluster
+from specserve.store import ENDED, GROUP, RequestStore, now_ms, queue_key, queued_key
+from specserve.store import req_key as request_key
+from specserve.tools.local_cluster import LocalCluster
 from specserve.verifier.reference import hf_greedy
 
 pytestmark = pytest.mark.cluster  # every test here runs a cluster

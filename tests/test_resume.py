@@ -11,8 +11,8 @@ import yaml
 
 from conftest import cluster_config
 from helpers import Result, generate, request
-from specserve.common.store import RequestStore
-from specserve.local_cluster import LocalCluster
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 

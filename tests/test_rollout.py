@@ -18,13 +18,13 @@ import pytest
 
 from conftest import DEVICE_KIND, cluster_config
 from helpers import request, wait_until
-from specserve import rollout
-from specserve.common.rollout import CANARY, STABLE, bucket, choose_pool, pool_shares
+from specserve.common.pools import CANARY, STABLE, bucket, choose_pool, pool_shares
 from specserve.common.settings import SchedulerSettings
-from specserve.common.store import RequestStore
-from specserve.local_cluster import LocalCluster
 from specserve.scheduler.placement import VerifierLoad, Want, choose_verifier
 from specserve.scheduler.server import Placer, VerifierClients
+from specserve.store import RequestStore
+from specserve.tools import rollout
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2_grpc
 
 
@@ -262,7 +262,7 @@ def test_a_canary_split_over_many_requests(stub, store, tokenizer):
 
 @pytest.mark.cluster
 def test_probes_compare_the_pools_greedy_outputs(pools, store):
-    from specserve.common import models
+    from specserve.engine import models
 
     store.set_canary_share(0.0)  # probes run in both pools whatever the share
     tokenizer = models.load_tokenizer(pools.config["gateway"]["model"]["path"])
@@ -280,7 +280,7 @@ def test_probes_compare_the_pools_greedy_outputs(pools, store):
 
 def rollout_cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "specserve.cli", "--config", str(cluster.config_path)]
+        [sys.executable, "-m", "specserve.tools.cli", "--config", str(cluster.config_path)]
         + ["rollout", *args],
         capture_output=True,
         text=True,

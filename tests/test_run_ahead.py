@@ -3,10 +3,10 @@ the step went exactly as assumed."""
 
 from __future__ import annotations
 
-from specserve.common.proposers.base import DraftJob
-from specserve.common.proposers.suffix import SuffixProposer
-from specserve.common.tree import DraftTree
 from specserve.drafter.run_ahead import RunAhead, likeliest_path, subtree
+from specserve.speculation.proposer import DraftJob
+from specserve.speculation.suffix import SuffixProposer
+from specserve.speculation.tree import DraftTree
 
 
 def tree_of(edges: list[tuple[int, int]]) -> DraftTree:

@@ -18,12 +18,12 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from conftest import DEVICE
-from specserve.common.proposers.base import DraftJob, TreeShape
-from specserve.common.tree import DraftTree
-from specserve.drafter.draft_model import DraftModelProposer
 from specserve.engine.flat_model import FlatModel
-from specserve.verifier.acceptance import Candidates, select
-from specserve.verifier.sampling import SamplingParams, target_probs
+from specserve.speculation.acceptance import Candidates, select
+from specserve.speculation.draft_model import DraftModelProposer
+from specserve.speculation.proposer import DraftJob, TreeShape
+from specserve.speculation.sampling import SamplingParams, target_probs
+from specserve.speculation.tree import DraftTree
 
 PROMPT = [5, 17, 99, 3, 42]
 PARAMS = SamplingParams(temperature=0.5, top_k=4)  # 4 x 4 two-token outcomes

@@ -18,11 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import cluster_config, tls_cluster_config
 from helpers import request
 from specserve.common.settings import DEFAULT_TIERS, Tier
-from specserve.common.store import now_ms
 from specserve.common.tls import make_dev_certs
 from specserve.gateway.audit import AUDIT_STREAM
 from specserve.gateway.keys import STREAM_MAX_AGE_MS, KeyStore, QuotaExceeded, quota_keys
-from specserve.local_cluster import ClusterError, LocalCluster
+from specserve.store import now_ms
+from specserve.tools.local_cluster import ClusterError, LocalCluster
 from specserve.v1 import (
     common_pb2,
     generation_pb2,
@@ -87,7 +87,15 @@ def rpc_error(fn) -> grpc.RpcError:
 
 def cli(cluster, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "specserve.cli", "keys", "--redis-url", cluster.redis_url, *args],
+        [
+            sys.executable,
+            "-m",
+            "specserve.tools.cli",
+            "keys",
+            "--redis-url",
+            cluster.redis_url,
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -12,12 +12,11 @@ import redis
 
 from conftest import DEVICE_KIND
 from helpers import generate, request, wait_until
-from specserve.common import models
-from specserve.common.rollout import CANARY, STABLE
+from specserve.common.pools import CANARY, STABLE
 from specserve.common.settings import ModelRef, VerifierSettings
-from specserve.common.store import RequestStore, result_key
-from specserve.engine import kernels
+from specserve.engine import kernels, models
 from specserve.gateway.server import result_cache_key, serving_versions
+from specserve.store import RequestStore, result_key
 from specserve.v1 import generation_pb2, scheduler_pb2
 from specserve.verifier.server import Served
 

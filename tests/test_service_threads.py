@@ -12,10 +12,10 @@ import threading
 
 import pytest
 
-from specserve.common.proposers.ngram import NgramProposer
 from specserve.common.service import in_own_thread
 from specserve.common.settings import DrafterSettings
 from specserve.drafter.server import DrafterService
+from specserve.speculation.ngram import NgramProposer
 from specserve.v1 import drafter_pb2
 
 # In a fresh interpreter: the process's thread count before and after one parallel torch op,
@@ -24,7 +24,7 @@ from specserve.v1 import drafter_pb2
 # back, for up to 10 s; the main thread's stay.)
 COUNT = """
 import os, sys, time, torch
-from specserve.common.proposers.ngram import NgramProposer
+from specserve.speculation.ngram import NgramProposer
 from specserve.common.service import in_own_thread
 from specserve.common.settings import DrafterSettings
 from specserve.drafter.server import DrafterService

@@ -17,9 +17,9 @@ import redis
 from conftest import cluster_config
 from helpers import generate, request, scrape, wait_until
 from specserve.common.settings import SchedulerSettings
-from specserve.common.store import RequestStore, now_ms, queued_key, req_key
-from specserve.local_cluster import LocalCluster
 from specserve.scheduler.server import Placer
+from specserve.store import RequestStore, now_ms, queued_key, req_key
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import (
     common_pb2,
     generation_pb2_grpc,

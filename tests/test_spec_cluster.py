@@ -12,7 +12,7 @@ import redis
 
 from conftest import cluster_config
 from helpers import generate, request, scrape, wait_until
-from specserve.local_cluster import LocalCluster
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc
 from specserve.verifier.reference import hf_greedy
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from helpers import make_sequence
-from specserve.common.proposers.base import DraftJob, TreeShape
-from specserve.common.proposers.ngram import NgramProposer
-from specserve.common.proposers.suffix import SharedOutputs, SuffixProposer
-from specserve.drafter.draft_model import DraftModelProposer
-from specserve.drafter.hybrid import HybridProposer
 from specserve.engine.flat_model import FlatModel
-from specserve.verifier.acceptance import accept
+from specserve.speculation.acceptance import accept
+from specserve.speculation.draft_model import DraftModelProposer
+from specserve.speculation.hybrid import HybridProposer
+from specserve.speculation.ngram import NgramProposer
+from specserve.speculation.proposer import DraftJob, TreeShape
+from specserve.speculation.sampling import SamplingParams, make_generator
+from specserve.speculation.suffix import SharedOutputs, SuffixProposer
 from specserve.verifier.reference import hf_greedy
 from specserve.verifier.runner import ModelRunner
-from specserve.verifier.sampling import SamplingParams, make_generator
 
 PROMPTS = [
     [9707, 11, 1879, 0, 9707, 11, 1879, 0, 9707],

@@ -11,9 +11,9 @@ import torch
 
 from benchmarks.step_counts import StepCounter, count_draft, count_step
 from conftest import DEVICE
-from specserve.common import models
-from specserve.common.proposers.base import TreeShape
-from specserve.local_cluster import LocalCluster
+from specserve.engine import models
+from specserve.speculation.proposer import TreeShape
+from specserve.tools.local_cluster import LocalCluster
 
 
 def test_the_counter_counts_reads_copies_and_ops():

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from specserve.common.store import RequestStore, StepState, queue_key
+from specserve.store import RequestStore, StepState, queue_key
 
 
 @pytest.fixture

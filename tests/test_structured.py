@@ -17,12 +17,12 @@ import torch
 from openai import BadRequestError
 
 from helpers import generate, request
-from specserve.common import grammar
-from specserve.common.grammar import apply_masks as apply
-from specserve.common.proposers.base import DraftJob, TreeShape
-from specserve.common.tree import DraftTree
-from specserve.drafter.draft_model import DraftModelProposer
 from specserve.engine.flat_model import FlatModel
+from specserve.speculation import grammar
+from specserve.speculation.draft_model import DraftModelProposer
+from specserve.speculation.grammar import apply_masks as apply
+from specserve.speculation.proposer import DraftJob, TreeShape
+from specserve.speculation.tree import DraftTree
 from specserve.v1 import common_pb2
 from specserve.verifier.constraint import Constraint
 

@@ -7,8 +7,8 @@ import random
 import time
 import tracemalloc
 
-from specserve.common.proposers.base import DraftJob
-from specserve.common.proposers.suffix import SharedOutputs, SuffixIndex, SuffixProposer
+from specserve.speculation.proposer import DraftJob
+from specserve.speculation.suffix import SharedOutputs, SuffixIndex, SuffixProposer
 
 
 def paths(tree) -> set[tuple[int, ...]]:

@@ -18,8 +18,8 @@ import yaml
 
 from conftest import cluster_config
 from helpers import Client, wait_until
-from specserve.local_cluster import free_port
-from specserve.supervisor import Decision, RestartPolicy, Supervisor, Verdict
+from specserve.tools.local_cluster import free_port
+from specserve.tools.supervisor import Decision, RestartPolicy, Supervisor, Verdict
 from specserve.verifier.reference import hf_greedy
 
 
@@ -91,7 +91,7 @@ class Up:
         config_path = tmp_path / "up.yaml"
         config_path.write_text(yaml.safe_dump(config))
         self.port = free_port()
-        cmd = [sys.executable, "-m", "specserve.cli", "--config", str(config_path), "up"]
+        cmd = [sys.executable, "-m", "specserve.tools.cli", "--config", str(config_path), "up"]
         self.popen = subprocess.Popen(
             [*cmd, "--port", str(self.port), *args],
             stdout=subprocess.PIPE,

@@ -18,11 +18,11 @@ import redis
 
 from conftest import cluster_config
 from helpers import scrape, wait_until
-from specserve.common.redis_acl import SERVICES
 from specserve.common.settings import DEFAULT_TIERS
-from specserve.common.store import RequestStore, session_key
 from specserve.gateway.keys import KEY_IDS, KeyStore, key_record, quota_keys, split_key
-from specserve.local_cluster import LocalCluster
+from specserve.store import RequestStore, session_key
+from specserve.store.acl import SERVICES
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.cluster  # every test here runs a cluster
@@ -174,7 +174,15 @@ def test_the_cli_never_sends_a_key_in_plaintext_unasked(cluster, keys):
 
     def generate(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "specserve.cli", "generate", "def f():", "--max-tokens", "2"]
+            [
+                sys.executable,
+                "-m",
+                "specserve.tools.cli",
+                "generate",
+                "def f():",
+                "--max-tokens",
+                "2",
+            ]
             + ["--address", cluster.procs["gateway"].address, "--api-key", keys["a"], *flags],
             capture_output=True,
             text=True,

@@ -25,11 +25,11 @@ from transformers import Qwen2Config
 
 from conftest import DEVICE, cluster_config
 from helpers import Client, children, generate, request, scrape, wait_until
-from specserve.common import models
-from specserve.common.store import RequestStore
+from specserve.engine import models
 from specserve.engine.flat_model import FlatModel, Segment
 from specserve.engine.tensor_parallel import ShardError, rank_devices, shard_config
-from specserve.local_cluster import LocalCluster
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import generation_pb2_grpc
 from specserve.verifier.ranks import Ranks, RanksFailed
 from specserve.verifier.reference import hf_greedy
@@ -108,7 +108,7 @@ def test_a_verifier_whose_model_does_not_split_stops_at_start_naming_the_key(
     path = tmp_path / "specserve.yaml"
     path.write_text(yaml.safe_dump(config))
     done = subprocess.run(
-        [sys.executable, "-m", "specserve.cli", "--config", str(path), "serve", "verifier"],
+        [sys.executable, "-m", "specserve.tools.cli", "--config", str(path), "serve", "verifier"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -14,7 +14,7 @@ from openai import BadRequestError, OpenAI
 
 from conftest import cluster_config
 from specserve.gateway.tools import ToolCallStream, parse_tool_calls
-from specserve.local_cluster import LocalCluster
+from specserve.tools.local_cluster import LocalCluster
 
 WEATHER = {
     "type": "object",

@@ -18,8 +18,8 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from conftest import cluster_config
 from helpers import generate, request, scrape, wait_until
 from specserve.common.telemetry import StepSampler
-from specserve.local_cluster import LocalCluster
-from specserve.plan import measured_acceptance
+from specserve.tools.local_cluster import LocalCluster
+from specserve.tools.plan import measured_acceptance
 from specserve.v1 import generation_pb2_grpc
 
 PROMPT = "def pangolin_checksum(values):"  # must be in no span attribute

@@ -8,11 +8,10 @@ import torch
 
 from conftest import CPU_KERNELS, CPU_KERNELS_RUN, CPU_KERNELS_WHY_NOT
 from helpers import make_sequence
-from specserve.common import models
-from specserve.common.tree import DraftTree
-from specserve.engine import kernels
+from specserve.engine import kernels, models
 from specserve.engine.batch import Batch
 from specserve.engine.flat_model import FlatModel, Segment, UnsupportedAttention
+from specserve.speculation.tree import DraftTree
 from specserve.verifier.runner import tree_segment
 
 

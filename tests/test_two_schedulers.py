@@ -13,8 +13,8 @@ import pytest
 
 from conftest import cluster_config
 from helpers import Client
-from specserve.common.store import RequestStore
-from specserve.local_cluster import LocalCluster
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import LocalCluster
 from specserve.verifier.reference import hf_greedy
 
 pytestmark = pytest.mark.cluster  # every test here runs a cluster

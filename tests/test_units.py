@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from specserve.common.settings import ConfigError, DrafterSettings, VerifierSettings
-from specserve.common.store import RequestStore
 from specserve.gateway.tails import Tail, Tails
 from specserve.gateway.text import IncrementalDetokenizer, StopTrimmer
-from specserve.local_cluster import free_port
-from specserve.verifier.sampling import SamplingParams, target_probs
+from specserve.speculation.sampling import SamplingParams, target_probs
+from specserve.store import RequestStore
+from specserve.tools.local_cluster import free_port
 
 
 def test_incremental_detokenizer_never_splits_characters(tokenizer):
@@ -297,7 +297,7 @@ def test_a_draft_model_that_fell_behind_has_its_catch_up_priced():
 
     from helpers import make_sequence
     from specserve.common.settings import VerifierSettings
-    from specserve.verifier.policy import PROBE_EVERY
+    from specserve.speculation.policy import PROBE_EVERY
     from specserve.verifier.speculator import Speculator
 
     speculator = Speculator(
@@ -353,7 +353,7 @@ def test_a_pinned_tree_size_stays_within_the_operators_largest_tree():
 
 def test_a_model_free_tree_with_draft_distributions_is_dropped():
     from specserve.common.settings import VerifierSettings
-    from specserve.common.tree import DraftTree, to_proto
+    from specserve.speculation.tree import DraftTree, to_proto
     from specserve.v1 import drafter_pb2
     from specserve.verifier.speculator import Speculator
 
@@ -372,7 +372,7 @@ def test_a_model_free_tree_with_draft_distributions_is_dropped():
 def test_a_process_on_an_accelerator_takes_one_host_thread_unless_told():
     import torch
 
-    from specserve.common.models import ACCELERATOR_HOST_THREADS, set_host_threads
+    from specserve.engine.models import ACCELERATOR_HOST_THREADS, set_host_threads
 
     before = torch.get_num_threads()
     try:
@@ -391,7 +391,7 @@ def test_model_starts_on_the_cpu_take_turns_on_a_host(tmp_path):
     lock file stands for it); a GPU process does not wait."""
     import threading
 
-    from specserve.common.models import cpu_start
+    from specserve.engine.models import cpu_start
 
     order = []
 

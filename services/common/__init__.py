@@ -1,1 +1,3 @@
-"""Code shared by every service: settings, Redis schema, gRPC scaffolding, telemetry, models."""
+"""Infrastructure every service shares, none of it torch: settings, TLS, the gRPC server,
+telemetry, process start, health probes, outage logging, and the small rules several services
+apply alike (KV capacity, prefix hashes, rollout pools, the log-probability wire format)."""

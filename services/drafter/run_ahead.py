@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..common.proposers.base import DraftJob, Proposer
-from ..common.tree import DraftTree
+from ..speculation.proposer import DraftJob, Proposer
+from ..speculation.tree import DraftTree
 from . import metrics
 
 

@@ -7,15 +7,17 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..common import models, telemetry
+from ..common import telemetry
 from ..common.grpc_server import Server
-from ..common.proposers.base import DraftJob, Proposer
 from ..common.settings import DrafterSettings
-from ..common.store import RequestStore, heartbeat_forever, now_ms
-from ..common.tree import DraftTree, to_proto
+from ..engine import models
+from ..speculation import draft_model
+from ..speculation.proposer import DraftJob, Proposer
+from ..speculation.proposers import PROPOSERS
+from ..speculation.tree import DraftTree, to_proto
+from ..store import RequestStore, heartbeat_forever, now_ms
 from ..v1 import drafter_pb2, drafter_pb2_grpc
-from . import draft_model, metrics
-from .proposers import PROPOSERS
+from . import metrics
 from .run_ahead import RunAhead
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from ..common.outage import REDIS_ERRORS
-from ..common.store import PREFIX
+from ..store import PREFIX
 from .keys import ANONYMOUS, Principal
 
 log = logging.getLogger("specserve.audit")

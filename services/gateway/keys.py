@@ -27,7 +27,7 @@ import yaml
 from redis.cluster import RedisCluster
 
 from ..common.settings import Tier
-from ..common.store import PREFIX, now_ms
+from ..store import PREFIX, now_ms
 
 KEY_PREFIX = "ssk"
 TENANT = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..common.logprobs import MAX_TOP_LOGPROBS
+from ..common.logprob_format import MAX_TOP_LOGPROBS
 from ..v1 import common_pb2, generation_pb2
 from .tools import ToolCallStream, parse_tool_calls
 

@@ -18,12 +18,14 @@ import grpc
 from google.protobuf import json_format
 from opentelemetry import trace
 
-from ..common import grammar, logprobs, models, prefix, telemetry
+from ..common import logprob_format, prefix, telemetry
 from ..common.grpc_server import AioServer, retrying_channel
 from ..common.outage import REDIS_ERRORS
-from ..common.rollout import by_pool, choose_pool, pool_shares, versions
+from ..common.pools import by_pool, choose_pool, pool_shares, versions
 from ..common.settings import GatewaySettings
-from ..common.store import RequestStore
+from ..engine import models
+from ..speculation import grammar
+from ..store import RequestStore
 from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from . import metrics, tools
 from .audit import Audit, Call
@@ -791,8 +793,8 @@ def serving_versions(verifiers: list[dict[str, str]], canary_share: float, rid: 
 
 
 def token_logprob(token_id: int, entry: str) -> common_pb2.TokenLogprob:
-    """A token's log-probabilities from its output stream entry (common/logprobs.py)."""
-    own, top = logprobs.decode(entry)
+    """A token's log-probabilities from its output stream entry (common/logprob_format.py)."""
+    own, top = logprob_format.decode(entry)
     return common_pb2.TokenLogprob(
         token_id=token_id,
         logprob=own,

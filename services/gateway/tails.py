@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..common.outage import REDIS_ERRORS, OutageLog
-from ..common.store import RequestStore
+from ..store import RequestStore
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from ..common.grammar import JSON_DEFAULTS
+from ..speculation.grammar import JSON_DEFAULTS
 from .validation import InvalidRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from ..common.capacity import kv_fit_problem
-from ..common.logprobs import MAX_TOP_LOGPROBS
+from ..common.logprob_format import MAX_TOP_LOGPROBS
 from ..v1 import common_pb2, generation_pb2
 
 ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # request and session ids, matched whole

@@ -3,7 +3,7 @@
 Three ways a request is left so (see "Failures and recovery" in docs/architecture.md):
 its verifier's registry entry is gone (it died), its claim is by an earlier incarnation of a
 verifier that restarted under the same id, or its live verifier does not list it
-(common/ownership.py). The placement loop calls `Recovery.run` every pass of its expiry
+(store/ownership.py). The placement loop calls `Recovery.run` every pass of its expiry
 period; each requeue logs one line with its reason.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-from ..common.ownership import OrphanFinder
 from ..common.settings import SchedulerSettings
-from ..common.store import RequestStore
+from ..store import RequestStore
+from ..store.ownership import OrphanFinder
 from . import metrics
 
 log = logging.getLogger(__name__)

@@ -18,15 +18,9 @@ from ..common import telemetry
 from ..common.capacity import kv_fit_problem
 from ..common.grpc_server import Server, retrying_channel
 from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
-from ..common.rollout import POOLS, choose_pool
+from ..common.pools import POOLS, choose_pool
 from ..common.settings import SchedulerSettings
-from ..common.store import (
-    QUEUE_CLASSES,
-    STORED_BYTES_PER_TOKEN,
-    RequestRecord,
-    RequestStore,
-    now_ms,
-)
+from ..store import QUEUE_CLASSES, STORED_BYTES_PER_TOKEN, RequestRecord, RequestStore, now_ms
 from ..v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from . import metrics
 from .placement import (

@@ -1,7 +1,7 @@
 """A request's grammar on the verifier (structured outputs): which tokens may come next at
 every row of its step, so that selection only ever keeps tokens the grammar allows.
 
-The matcher (common/grammar.py) stands at the sequence's committed output. For a step, it is
+The matcher (speculation/grammar.py) stands at the sequence's committed output. For a step, it is
 walked down the draft tree depth first, consuming each node's token and rolling back after
 its subtree, and the mask of allowed tokens is computed at the root and after every node:
 row i of the masks is the grammar's answer for logits row i. Selection (acceptance.py) sets
@@ -22,7 +22,7 @@ import llguidance
 import llguidance.torch
 import torch
 
-from ..common.tree import DraftTree
+from ..speculation.tree import DraftTree
 
 FORCED_MAX = 16  # tokens of a forced run drafted in one step
 

@@ -26,15 +26,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
-from ..common.store import RequestStore, StepState
-from ..common.tree import DraftTree
 from ..engine.tensor_parallel import ShardsLost
+from ..speculation.acceptance import Candidates, NonFinite, Verdict, select_each
+from ..speculation.sampling import make_generator
+from ..speculation.tree import DraftTree
+from ..store import RequestStore, StepState
 from . import logprobs, metrics, preemption, stages
-from .acceptance import Candidates, NonFinite, Verdict, select_each
 from .admission import Admission, Grant
 from .constraint import GrammarViolation
 from .runner import ModelRunner, describe
-from .sampling import make_generator
 from .sequence import Committed, Sequence
 from .speculator import Speculator
 from .step_plan import StepPlan, plan_step

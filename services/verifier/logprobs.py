@@ -12,7 +12,7 @@ cross to the host in one transfer for the step.
 The distribution is the model's own, before temperature, top-k and top-p (what vLLM returns by
 default, and what evaluation harnesses score with).
 
-The entries are encoded as the output stream carries them (common/logprobs.py).
+The entries are encoded as the output stream carries them (common/logprob_format.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..common.logprobs import encode
-from .acceptance import Verdict
+from ..common.logprob_format import encode
+from ..speculation.acceptance import Verdict
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ..common.tree import DraftTree
 from ..engine.flat_model import OutOfBlocks, SequenceKV
 from ..engine.kv_cache import KVPool
+from ..speculation.tree import DraftTree
 from . import metrics
 from .sequence import Sequence
 from .step_plan import StepPlan

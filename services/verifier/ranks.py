@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..common import models
+from ..engine import models
 from ..engine.tensor_parallel import Shards, rank_devices
 
 log = logging.getLogger(__name__)

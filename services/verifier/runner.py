@@ -8,9 +8,9 @@ import time
 import numpy as np
 import torch
 
-from ..common.tree import DraftTree
 from ..engine.flat_model import FlatModel, Segment
 from ..engine.tensor_parallel import ShardsLost
+from ..speculation.tree import DraftTree
 from .constraint import GrammarViolation
 from .sequence import Sequence
 

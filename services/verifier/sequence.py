@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from ..engine.flat_model import SequenceKV
+from ..speculation.sampling import SamplingParams
 from .constraint import Constraint
-from .sampling import SamplingParams
 
 
 @dataclass

@@ -15,13 +15,16 @@ from google.protobuf import json_format
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from ..common import grammar, logprobs, models, telemetry
-from ..common.grammar import Grammars
+from ..common import logprob_format, telemetry
 from ..common.grpc_server import Server
 from ..common.settings import ConfigError, VerifierSettings
-from ..common.store import RequestStore, heartbeat_forever, now_ms
+from ..engine import models
 from ..engine.flat_model import CompileFailed, FlatModel, UnsupportedAttention
 from ..engine.tensor_parallel import ShardError, shard_config
+from ..speculation import grammar
+from ..speculation.grammar import Grammars
+from ..speculation.sampling import SamplingParams
+from ..store import RequestStore, heartbeat_forever, now_ms
 from ..v1 import common_pb2
 from ..v1 import verifier_pb2 as pb
 from ..v1 import verifier_pb2_grpc as pb_grpc
@@ -32,7 +35,6 @@ from .drafter_pool import registered_drafters
 from .engine import Engine
 from .ranks import Ranks
 from .runner import ModelRunner
-from .sampling import SamplingParams
 from .sequence import Sequence
 from .speculator import Speculator
 
@@ -67,7 +69,7 @@ def sequence_from_record(rec, restored: list[int]) -> Sequence:
         logprobs=bool(spec.get("logprobs")),
         top_logprobs=int(spec.get("top_logprobs", 0)),
         # (the restored tokens' entries are in the output stream already: never written again)
-        output_logprobs=[logprobs.UNKNOWN] * len(restored) if spec.get("logprobs") else [],
+        output_logprobs=[logprob_format.UNKNOWN] * len(restored) if spec.get("logprobs") else [],
         num_emitted=len(restored),
         restored=len(restored),
         queue=rec.queue,
@@ -263,7 +265,7 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
     def registry_entry(self, address: str) -> dict:
         """What the scheduler places by (slots per class, KV blocks, limits, the cached
         prefixes), and what it checks ownership by: this start's incarnation and the requests
-        running here, listed at `listed_ms` (see common/ownership.py)."""
+        running here, listed at `listed_ms` (see store/ownership.py)."""
         listed_ms = now_ms()  # (before the list: what is missing from it left by then)
         request_ids = ",".join(self.engine.running_ids())
         admission = self.engine.admission

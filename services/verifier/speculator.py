@@ -13,15 +13,15 @@ from __future__ import annotations
 import logging
 import time
 
-from ..common.proposers.base import TreeShape
-from ..common.proposers.ngram import NgramProposer
 from ..common.settings import VerifierSettings
-from ..common.tree import DraftTree, from_proto
+from ..speculation.ngram import NgramProposer
+from ..speculation.policy import EXPLORE_ALPHA, AdaptivePolicy, Candidate
+from ..speculation.proposer import TreeShape
+from ..speculation.tree import DraftTree, from_proto
 from . import metrics
 from .drafter_client import DraftUnavailable
 from .drafter_pool import DrafterPool
 from .drafter_sync import DrafterSync
-from .policy import EXPLORE_ALPHA, AdaptivePolicy, Candidate
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from opentelemetry import trace
 from prometheus_client import Histogram
 
 from ..common import telemetry
-from ..common.tree import DraftTree
+from ..speculation.tree import DraftTree
 from . import metrics
 from .sequence import Sequence
 from .step_plan import StepPlan

@@ -4,9 +4,9 @@ deterministic."""
 
 from __future__ import annotations
 
-from ..settings import DrafterSettings
-from ..tree import DraftTree
-from .base import DraftJob, Proposer, TreeShape
+from ..common.settings import DrafterSettings
+from .proposer import DraftJob, Proposer, TreeShape
+from .tree import DraftTree
 
 
 class NgramProposer(Proposer):

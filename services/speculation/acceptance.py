@@ -46,13 +46,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..common.grammar import apply_masks
-from ..common.tree import DraftTree
 from ..engine import kernels
 from ..engine.batch import Packer
 from . import rejection
+from .grammar import apply_masks
 from .logit_rows import row_sums, stacked
 from .sampling import SamplingParams
+from .tree import DraftTree
 
 log = logging.getLogger(__name__)
 

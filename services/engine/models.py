@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .settings import ModelRef
+from ..common.settings import ModelRef
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ def served_version(
     if dtype == "int4" and kind.startswith("cpu"):
         import torch
 
-        from ..engine import quant
+        from . import quant
 
         if quant.int4_layout(torch.device("cpu")) == "torch":
             dtype = "int4-torch"
@@ -362,7 +362,7 @@ def resolve_dtype(dtype: str, device: str, path: Path, setting: str = "dtype") -
     in (engine/dtypes.py), logged with the timings that chose it."""
     if dtype != "auto":
         return dtype
-    from ..engine import dtypes
+    from . import dtypes
 
     try:
         config = json.loads((Path(path) / "config.json").read_text())
@@ -442,7 +442,7 @@ def load_model(
     instructions runs its large products in float32 (gemm.py)."""
     from transformers import AutoModelForCausalLM
 
-    from ..engine import gemm, quant
+    from . import gemm, quant
 
     quantised = dtype in quant.QUANTISED
     try:
@@ -450,7 +450,7 @@ def load_model(
             quant.probe(dtype, device)  # before the load: a minute saved on a failure
         load_dtype = torch_dtype("bfloat16" if quantised else dtype)
         if shard is not None:
-            from ..engine.tensor_parallel import load_shard
+            from .tensor_parallel import load_shard
 
             model = load_shard(path, *shard, load_dtype, device)
         else:
@@ -473,7 +473,7 @@ def weight_bytes(model) -> int:
 def loaded_dtype(model) -> str:
     """The dtype a loaded model runs in, read off the model: "int8" / "int4" where load_model
     quantised its linear layers, else its weights' dtype ("bfloat16", "float32", ...)."""
-    from ..engine import quant
+    from . import quant
 
     return quant.kind_of(model) or str(next(model.parameters()).dtype).removeprefix("torch.")
 

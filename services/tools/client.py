@@ -7,7 +7,7 @@ import sys
 
 import grpc
 
-from .v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from ..v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
 def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:

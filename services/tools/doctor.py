@@ -16,10 +16,11 @@ from pathlib import Path
 
 import redis
 
-from .common import models, tls
-from .common.ownership import Orphan, OrphanFinder
-from .common.settings import SETTINGS_BY_SERVICE, ConfigError, ServiceSettings
-from .common.store import RequestStore
+from ..common import tls
+from ..common.settings import SETTINGS_BY_SERVICE, ConfigError, ServiceSettings
+from ..engine import models
+from ..store import RequestStore
+from ..store.ownership import Orphan, OrphanFinder
 
 PACKAGES = ("torch", "transformers", "grpcio", "redis", "protobuf", "opentelemetry-sdk")
 CERT_WARN_DAYS = 30
@@ -105,7 +106,7 @@ def free_memory_bytes(device: str) -> float:
     """Free memory of the verifier's device (0 if it cannot be read)."""
     import torch
 
-    from .verifier.admission import free_memory_bytes as free
+    from ..verifier.admission import free_memory_bytes as free
 
     try:
         return float(free(torch.device(device)))
@@ -153,7 +154,7 @@ def tensor_parallel(verifier, path: Path) -> Finding:
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from .engine.tensor_parallel import ShardError, shard_config
+    from ..engine.tensor_parallel import ShardError, shard_config
 
     n = verifier.tensor_parallel
     backend = "gloo" if verifier.device == "cpu" else "nccl"
@@ -260,7 +261,7 @@ def cluster(settings: dict[str, ServiceSettings], addresses: dict[str, str]) -> 
 
 def orphans_finding(store: RequestStore, grace_seconds: float, period_seconds: float) -> Finding:
     """Requests Redis records as running on a live verifier that does not run them
-    (common/ownership.py, the scheduler's rule); one missing from a verifier's list is looked
+    (store/ownership.py, the scheduler's rule); one missing from a verifier's list is looked
     at again in its next lists (a few heartbeats at most)."""
     finder = OrphanFinder(int(grace_seconds * 1000))
     found: dict[str, Orphan] = {}
@@ -286,10 +287,10 @@ def orphans_finding(store: RequestStore, grace_seconds: float, period_seconds: f
 def rollout_finding(verifiers: list[dict], canary_share: float) -> Finding:
     """Which versions serve which share; a warning where a pool serves several versions or
     the share names a pool with no live verifier (its requests wait)."""
-    from .common import rollout
+    from ..common import pools
 
-    versions = {pool: rollout.versions(m) for pool, m in rollout.by_pool(verifiers).items()}
-    shares = rollout.pool_shares(set(versions), canary_share)
+    versions = {pool: pools.versions(m) for pool, m in pools.by_pool(verifiers).items()}
+    shares = pools.pool_shares(set(versions), canary_share)
     detail = "; ".join(
         f"{pool} {shares.get(pool, 0):.0%}: {', '.join(vs)}" for pool, vs in versions.items()
     )
@@ -301,7 +302,7 @@ def rollout_finding(verifiers: list[dict], canary_share: float) -> Finding:
             f"{detail}: {', '.join(mixed)} serves several versions "
             "(mid-upgrade?); requests stay on the version they started on",
         )
-    wanted = rollout.CANARY if canary_share >= 1 else rollout.STABLE if canary_share <= 0 else None
+    wanted = pools.CANARY if canary_share >= 1 else pools.STABLE if canary_share <= 0 else None
     if versions and wanted and wanted not in versions:
         return Finding(
             "warn",
@@ -339,7 +340,7 @@ def serves(channel, timeout: float) -> str:
     """What a verifier serves, from its Status: pool, model version, sha256, config."""
     import grpc
 
-    from .v1 import verifier_pb2, verifier_pb2_grpc
+    from ..v1 import verifier_pb2, verifier_pb2_grpc
 
     try:
         st = verifier_pb2_grpc.VerifierServiceStub(channel).Status(

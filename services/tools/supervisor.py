@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .local_cluster import LocalCluster
 
-log = logging.getLogger("specserve.supervisor")
+log = logging.getLogger("specserve.tools.supervisor")
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def supervise(
 
 def log_to(path: Path) -> None:
     """The supervisor's log: JSON lines in `path` (the members log to their own files)."""
-    from .common.telemetry import JsonFormatter
+    from ..common.telemetry import JsonFormatter
 
     handler = logging.FileHandler(path)
     handler.setFormatter(JsonFormatter())

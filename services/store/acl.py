@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from .store import PREFIX
+from . import PREFIX
 
 SERVICES = ("gateway", "scheduler", "verifier", "drafter")
 

@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from .common.rollout import CANARY
-from .common.settings import ConfigError, ServiceSettings
+from ..common.pools import CANARY
+from ..common.settings import ConfigError, ServiceSettings
 from .plan import PRESETS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,7 +20,7 @@ SERVICES = ("gateway", "scheduler", "verifier", "drafter")
 
 
 def _models(args: argparse.Namespace) -> int:
-    from .common import models
+    from ..engine import models
 
     cache = args.cache_dir or ServiceSettings.load(args.config).model_cache_dir
     if args.models_cmd == "list":
@@ -52,7 +52,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .common.service import run_service
+    from ..common.service import run_service
 
     return run_service(args.service, args.config, port=args.port)
 
@@ -72,9 +72,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from .common.settings import GatewaySettings
-    from .common.store import RequestStore
-    from .gateway.keys import KeyStore
+    from ..common.settings import GatewaySettings
+    from ..gateway.keys import KeyStore
+    from ..store import RequestStore
 
     settings = GatewaySettings.load(args.config)
     keys = KeyStore(RequestStore.connect(settings, args.redis_url).r)
@@ -118,8 +118,8 @@ def _keys(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     """Exit 0 if the service on this host answers SERVING (the k8s probe: TLS-aware, which
     the kubelet's own gRPC probe is not)."""
-    from .common import tls
-    from .common.settings import SETTINGS_BY_SERVICE
+    from ..common import tls
+    from ..common.settings import SETTINGS_BY_SERVICE
     from .doctor import health
 
     settings = SETTINGS_BY_SERVICE[args.service].load(args.config)
@@ -130,9 +130,9 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from ..common.settings import ModelRef
+    from ..engine import models
     from . import plan
-    from .common import models
-    from .common.settings import ModelRef
 
     cache = ServiceSettings.load(args.config).model_cache_dir
 
@@ -182,11 +182,12 @@ def _doctor(args: argparse.Namespace) -> int:
 def _rollout(args: argparse.Namespace) -> int:
     import grpc
 
+    from ..common import tls
+    from ..common.settings import GatewaySettings
+    from ..engine import models
+    from ..store import RequestStore
+    from ..v1 import scheduler_pb2_grpc
     from . import rollout
-    from .common import models, tls
-    from .common.settings import GatewaySettings
-    from .common.store import RequestStore
-    from .v1 import scheduler_pb2_grpc
 
     settings = GatewaySettings.load(args.config)
     store = RequestStore.connect(settings, args.redis_url)
@@ -242,7 +243,7 @@ def _share(text: str) -> float:
 
 
 def _redis_users(args: argparse.Namespace) -> int:
-    from .common.redis_acl import make_users
+    from ..store.acl import make_users
 
     out = Path(args.out)
     make_users(out, args.host)
@@ -258,7 +259,7 @@ def _redis_users(args: argparse.Namespace) -> int:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from .common.tls import make_dev_certs
+    from ..common.tls import make_dev_certs
 
     paths = make_dev_certs(Path(args.out), days=args.days)
     for what, path in paths.items():
@@ -495,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # the CLI's last line of defence: a message, not a traceback
-        from .common.models import ModelError
+        from ..engine.models import ModelError
 
         if isinstance(e, ModelError):
             print(f"error: {e}", file=sys.stderr)

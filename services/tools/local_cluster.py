@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from .common import redis_acl
-from .common.settings import ModelRef
+from ..common.settings import ModelRef
+from ..store import acl
 from .supervisor import RestartPolicy, Supervisor, log_to, supervise
 
 START_ORDER = ("scheduler", "drafter", "verifier", "gateway")
@@ -106,7 +106,7 @@ class LocalCluster:
     redis_url: str | None = None
     redis_aof: bool = False  # persist every write (appendfsync always), as deployments do
     redis_password: str | None = None  # required by the private Redis (from a 0600 conf file)
-    # The private Redis has a user per service (common/redis_acl.py), each service connecting
+    # The private Redis has a user per service (store/acl.py), each service connecting
     # as its own; redis_url is then the operator's (the `default` user, with a password).
     redis_users: bool = False
     procs: dict[str, Proc] = field(default_factory=dict)
@@ -130,8 +130,8 @@ class LocalCluster:
             users = self.workdir / "redis-users"
             if not (users / "redis.conf").exists():  # (a restarted Redis keeps its users)
                 self.redis_password = self.redis_password or secrets.token_hex(24)
-                urls = redis_acl.make_users(users, f"127.0.0.1:{port}", self.redis_password)
-                for service in redis_acl.SERVICES:
+                urls = acl.make_users(users, f"127.0.0.1:{port}", self.redis_password)
+                for service in acl.SERVICES:
                     self.config.setdefault(service, {})["redis_url"] = urls[service]
             conf.write_text((users / "redis.conf").read_text())
         else:
@@ -216,7 +216,7 @@ class LocalCluster:
     def _wait_registered(self, kind: str, port: int, timeout: float) -> None:
         """Waits until a member of `kind` serving on `port` is in the registry: verifiers
         see it from their next step on."""
-        from .common.store import RequestStore
+        from ..store import RequestStore
 
         cluster = bool(self.config.get("common", {}).get("redis_cluster"))
         store = RequestStore.from_url(self.redis_url, cluster=cluster)
@@ -244,7 +244,7 @@ class LocalCluster:
         cmd = [
             sys.executable,
             "-m",
-            "specserve.cli",
+            "specserve.tools.cli",
             "--config",
             str(self.config_path),
             "serve",
@@ -371,8 +371,8 @@ def dev_key(cluster: LocalCluster) -> str | None:
     """A new key of tenant `dev` for the local cluster, unless its gateway runs without auth."""
     import redis
 
-    from .common.settings import GatewaySettings
-    from .gateway.keys import KeyStore
+    from ..common.settings import GatewaySettings
+    from ..gateway.keys import KeyStore
 
     settings = GatewaySettings.load(cluster.config_path)
     if settings.auth == "off":
@@ -398,7 +398,7 @@ def run_local_cluster(
     workdir = Path(tempfile.mkdtemp(prefix="specserve-"))
     ca = None
     if not (config.get("common") or {}).get("insecure"):  # mTLS with a fresh dev CA
-        from .common.tls import dev_tls_config, make_dev_certs
+        from ..common.tls import dev_tls_config, make_dev_certs
 
         paths = make_dev_certs(workdir / "certs")
         for section, values in dev_tls_config(paths).items():

@@ -60,7 +60,7 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from .outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
+from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
 
 log = logging.getLogger(__name__)
 

@@ -17,14 +17,14 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from ..common import models
-from ..common.grammar import Follower, GrammarError, Grammars, apply_masks
-from ..common.proposers.base import DraftJob, Proposer, TreeShape, shape_of
 from ..common.settings import ConfigError, DrafterSettings, ModelRef
-from ..common.tree import DraftTree
+from ..drafter.metrics import COMPILED_GRAPHS
+from ..engine import models
 from ..engine.batch import to_device
 from ..engine.flat_model import CompileFailed, FlatModel, Segment, SequenceKV
-from .metrics import COMPILED_GRAPHS
+from .grammar import Follower, GrammarError, Grammars, apply_masks
+from .proposer import DraftJob, Proposer, TreeShape, shape_of
+from .tree import DraftTree
 
 
 @dataclass

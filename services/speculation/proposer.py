@@ -9,8 +9,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..settings import DrafterSettings
-from ..tree import DraftTree
+from ..common.settings import DrafterSettings
+from .tree import DraftTree
 
 
 @dataclass

@@ -36,9 +36,9 @@ import itertools
 import math
 from collections import OrderedDict
 
-from ..settings import DrafterSettings
-from ..tree import DraftTree
-from .base import DraftJob, Proposer
+from ..common.settings import DrafterSettings
+from .proposer import DraftJob, Proposer
+from .tree import DraftTree
 
 SEPARATOR = -1  # between documents of a shared index: no match or continuation crosses it
 KEYS = (8, 3, 1)  # key lengths indexed, longest first: the longest key seen gives candidates

@@ -126,8 +126,8 @@ def measure_this_machine(
     and quantised types, float32 on a CPU without bfloat16 matrix instructions (gemm.py)."""
     import torch
 
-    from .common.models import torch_dtype
-    from .engine.gemm import HALF, wide_dtype
+    from ..engine.gemm import HALF, wide_dtype
+    from ..engine.models import torch_dtype
 
     where = torch.device(device)
     if where.type == "cuda":

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..common.proposers.base import DraftJob, Proposer
-from ..common.proposers.suffix import SuffixProposer
 from ..common.settings import DrafterSettings
-from ..common.tree import DraftTree
 from .draft_model import DraftModelProposer
+from .proposer import DraftJob, Proposer
+from .suffix import SuffixProposer
+from .tree import DraftTree
 
 PRIOR_MODEL_ACCEPTED = 1.5  # draft tokens a draft-model tree gets accepted, before measuring
 SEQUENCE_WEIGHT = 0.3  # of a step in a sequence's running mean

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..common.tree import DraftTree
 from ..engine import kernels
 from ..engine.batch import Packer, to_device
 from .logit_rows import back_to_back
 from .sampling import SamplingParams, target_probs
+from .tree import DraftTree
 
 if TYPE_CHECKING:
     from .acceptance import Candidates

@@ -20,9 +20,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from .common.rollout import CANARY, POOLS, STABLE, by_pool, pool_shares, versions
-from .common.store import RequestStore
-from .v1 import common_pb2, scheduler_pb2
+from ..common.pools import CANARY, POOLS, STABLE, by_pool, pool_shares, versions
+from ..store import RequestStore
+from ..v1 import common_pb2, scheduler_pb2
 
 # Prompts whose greedy continuations are compared between the pools: code and prose, short.
 PROBES = (
