@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ALERTS = Path(__file__).resolve().parent.parent / "deploy" / "monitoring" / "alerts.yml"
+ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "monitoring" / "alerts.yml"
 ERROR = 'status="INTERNAL"'
 OK = 'status="FINISH_REASON_EOS"'
 REQUESTS = "specserve_gateway_requests_total"

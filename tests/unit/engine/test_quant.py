@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_speculative import PROMPTS, speculative_greedy
 from torch import nn
 
 from conftest import DEVICE, NOISE, default_target_dir, save_tiny_qwen
@@ -16,6 +15,7 @@ from specserve.speculation import draft_model
 from specserve.speculation.draft_model import DraftModelProposer
 from specserve.speculation.proposer import TreeShape
 from specserve.verifier.sequence import common_prefix
+from speculative_decoder import PROMPTS, speculative_greedy
 
 KINDS = ["int8", "int4"]
 # A 128-wide tiny model: the CUDA int4 layout needs in_features divisible by 128.

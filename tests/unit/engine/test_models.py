@@ -123,3 +123,45 @@ def test_a_gguf_converts_to_the_weights_transformers_reads_from_it(tmp_path):
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
     head = saved.get("lm_head.weight", saved["model.embed_tokens.weight"])  # (tied: the embedding)
     assert torch.equal(plain.lm_head.weight, head)
+
+
+def test_a_process_on_an_accelerator_takes_one_host_thread_unless_told():
+    import torch
+
+    from specserve.engine.models import ACCELERATOR_HOST_THREADS, set_host_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_host_threads(0, "cpu")
+        assert torch.get_num_threads() == before  # torch's default
+        set_host_threads(0, "cuda:0")
+        assert torch.get_num_threads() == ACCELERATOR_HOST_THREADS
+        set_host_threads(3, "cuda")
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_model_starts_on_the_cpu_take_turns_on_a_host(tmp_path):
+    """A second process's timing and load wait for the first's (a thread's own open of the
+    lock file stands for it); a GPU process does not wait."""
+    import threading
+
+    from specserve.engine.models import cpu_start
+
+    order = []
+
+    def second():
+        with cpu_start(tmp_path, "cpu", "drafter"):
+            order.append("second")
+
+    with cpu_start(tmp_path, "cpu", "verifier"):
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        waiter.join(timeout=0.5)
+        assert waiter.is_alive()  # waiting for the lock
+        with cpu_start(tmp_path, "cuda:0", "verifier"):
+            order.append("gpu")
+        order.append("first")
+    waiter.join(timeout=10)
+    assert order == ["gpu", "first", "second"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from benchmarks.gpu_stages import GRACE_S, MARKER, Stage, run_stage
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def marked(marker: str) -> list[str]:

@@ -19,7 +19,7 @@ from pod_security import violations
 
 from specserve.common.settings import SETTINGS_BY_SERVICE
 
-K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 KUBERNETES_VERSIONS = ("1.30", "1.31", "1.32", "1.33")
 # Created by deploy/k8s/dev-secrets.sh (or by whoever runs the cluster): name -> keys.
 SECRETS = {

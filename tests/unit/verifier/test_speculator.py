@@ -1,0 +1,155 @@
+"""The speculator's budgets: draft-model and model-free trees, priced and adaptive."""
+
+from __future__ import annotations
+
+from specserve.common.settings import VerifierSettings
+
+
+def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_deep():
+    from types import SimpleNamespace
+
+    from helpers import make_sequence
+    from specserve.verifier.speculator import Speculator
+
+    def budgets(measured=True, node_seconds=0.2, **settings):
+        speculator = Speculator(
+            VerifierSettings.load(
+                None, speculative_decoding=True, discover_drafters=False, **settings
+            ),
+            vocab_size=1000,
+        )
+        seqs = []
+        for _ in range(3):
+            seq = make_sequence([5, 6, 7], output=[8], max_tokens=200)
+            seq.kv = SimpleNamespace(length=3)
+            if measured:  # poor acceptance, measured over many drafts of either kind
+                seq.drawn_tested = seq.free_tested = 100
+                seq.drawn_accepted = seq.free_accepted = 30
+            seqs.append(seq)
+        policy = speculator.policy
+        if policy is not None:  # (0.2 s: a big batch whose nodes cost more than they return)
+            policy.steps = 1
+            policy.cost.coef.a, policy.cost.coef.b = 0.1, node_seconds
+            policy.cost.per_token_known = True
+            policy.service_alpha = policy.service_free_alpha = 0.3
+        return speculator.budgets(seqs)
+
+    fixed = dict(speculation_policy="fixed", verification_tree_size=6, deep_tree_size=40)
+    assert budgets(**fixed) == [(6, 40)] * 3
+    adaptive = dict(speculation_policy="adaptive", verification_tree_size=6)
+    assert budgets(**adaptive, deep_tree_size=0) == [(0, 0)] * 3  # the policy still decides
+    assert budgets(**adaptive, deep_tree_size=64) == [(0, 0)] * 3
+    # Not measured yet: priced as good drafts (EXPLORE_ALPHA) rather than by the service-wide
+    # rate alone, they draft to find out where good drafts would pay, at the size they would
+    # pay at; where nodes cost more than even good drafts return, they do not.
+    assert budgets(False, **adaptive, deep_tree_size=64) == [(0, 0)] * 3
+    cheap = budgets(False, 0.002, **adaptive, deep_tree_size=64)
+    assert all(0 < k <= 6 and 0 < deep <= 64 for k, deep in cheap)
+    assert budgets(False, 0.002, **adaptive, deep_tree_size=0) == [(k, 0) for k, _ in cheap]
+    assert budgets(True, 0.002, **adaptive, deep_tree_size=64) != cheap  # (measured: poor)
+
+
+def test_a_model_free_tree_explores_shallow_and_goes_deep_once_measured():
+    """While a sequence's model-free trees are measured (EXPLORE_TREES of them), each is at
+    most EXPLORE_DEPTH nodes: a rejection ends a tree at any depth, so a deep one tested no
+    better and cost a 7-node pass each time; measured good, they go as deep as they pay."""
+    from types import SimpleNamespace
+
+    from helpers import make_sequence
+    from specserve.verifier.speculator import EXPLORE_DEPTH, EXPLORE_TREES, Speculator
+
+    speculator = Speculator(
+        VerifierSettings.load(
+            None, speculative_decoding=True, discover_drafters=False, deep_tree_size=64
+        ),
+        vocab_size=1000,
+    )
+    policy = speculator.policy
+    policy.steps = 1
+    policy.cost.coef.a, policy.cost.coef.b = 0.05, 0.002
+    policy.cost.per_token_known = True
+    seq = make_sequence([5, 6, 7], output=[8], max_tokens=500)
+    seq.kv = SimpleNamespace(length=3)
+    seq.drawn_tested, seq.drawn_accepted = 100, 0  # (no draft-model trees: they never pass)
+    ((_, exploring_deep),) = speculator.budgets([seq])
+    seq.free_trees, seq.free_tested, seq.free_accepted = EXPLORE_TREES, 30, 29
+    ((_, measured_deep),) = speculator.budgets([seq])
+    assert 0 < exploring_deep <= EXPLORE_DEPTH < measured_deep
+
+
+def test_a_draft_model_that_fell_behind_has_its_catch_up_priced():
+    """Its draft model last grew the sequence a tree 150 tokens ago (plain steps since): on a
+    probe step, which prices its drafts at EXPLORE_ALPHA, taking those tokens in first costs
+    more than the exploring horizon can win back, so the draft model stays off; one step
+    behind, the same probe drafts."""
+    from types import SimpleNamespace
+
+    from helpers import make_sequence
+    from specserve.speculation.policy import PROBE_EVERY
+    from specserve.verifier.speculator import Speculator
+
+    speculator = Speculator(
+        VerifierSettings.load(
+            None, speculative_decoding=True, discover_drafters=False, deep_tree_size=0
+        ),
+        vocab_size=1000,
+    )
+    policy = speculator.policy
+    policy.cost.coef.a, policy.cost.coef.b, policy.cost.coef.c = 0.05, 0.002, 0.01
+    policy.cost.per_token_known = True
+    policy.cost.observe_catch_up(100, 1.0)  # 10 ms a token
+    seq = make_sequence(list(range(200)), output=[8], max_tokens=500)
+    seq.kv = SimpleNamespace(length=200)
+    seq.drawn_tested, seq.drawn_accepted = 100, 10  # measured poor: only a probe drafts
+
+    def probe(behind: int) -> int:
+        seq.drawn_at = len(seq.all_ids) - behind
+        policy.steps = PROBE_EVERY - 1  # (the next budgets call is a probe step)
+        ((k, _),) = speculator.budgets([seq])
+        return k
+
+    assert probe(1) > 0
+    assert probe(150) == 0
+    policy.steps = 1
+    assert speculator.budgets([seq]) == [(0, 0)]  # (and off a probe, poor drafts do not pay)
+
+
+def test_a_pinned_tree_size_stays_within_the_operators_largest_tree():
+    """A request may pin speculation.tree_size (up to 256 at the gateway); the verifier grows
+    no tree past the larger of verification_tree_size and deep_tree_size for it, so one
+    client cannot slow its batch-mates' steps with trees the operator never allowed."""
+    from types import SimpleNamespace
+
+    from helpers import make_sequence
+    from specserve.verifier.speculator import Speculator
+
+    settings = VerifierSettings.load(
+        None,
+        speculative_decoding=True,
+        discover_drafters=False,
+        verification_tree_size=6,
+        deep_tree_size=40,
+    )
+    speculator = Speculator(settings, vocab_size=1000)
+    seq = make_sequence([5, 6, 7], output=[8], max_tokens=500)
+    seq.kv = SimpleNamespace(length=3)
+    for pinned, cap in ((256, 40), (20, 20), (3, 3)):
+        seq.tree_size = pinned
+        assert speculator.cap(seq) == speculator.cap(seq, settings.deep_tree_size) == cap
+
+
+def test_a_model_free_tree_with_draft_distributions_is_dropped():
+    from specserve.speculation.tree import DraftTree, to_proto
+    from specserve.v1 import drafter_pb2
+    from specserve.verifier.speculator import Speculator
+
+    speculator = Speculator(VerifierSettings.load(None), vocab_size=1000)
+    tree = DraftTree(token_ids=[1, 2], parents=[-1, 0], model_free=True)
+    msg = drafter_pb2.DraftTree()
+    to_proto(tree, msg)
+    assert len(speculator._checked(msg, (0, 2))) == 2  # a model-free tree: the deep budget
+    assert len(speculator._checked(msg, (2, 1))) == 0  # over it
+    tree.dists[-1] = ([1], [1.0])
+    msg = drafter_pb2.DraftTree()
+    to_proto(tree, msg)
+    assert len(speculator._checked(msg, (8, 8))) == 0
