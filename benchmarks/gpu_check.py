@@ -48,30 +48,30 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "gpu-check"
 
 TESTS = [
-    "tests/test_units.py::test_settings_refuse_a_device_this_build_cannot_run",
-    "tests/test_tree_attention.py",
-    "tests/test_kv_cache.py",
-    "tests/test_compile.py",
-    "tests/test_step_counts.py",
-    "tests/test_speculative.py",
-    "tests/test_engine.py",
-    "tests/test_acceptance.py",
-    "tests/test_sampling_drops.py",
+    "tests/unit/common/test_settings.py::test_settings_refuse_a_device_this_build_cannot_run",
+    "tests/unit/engine/test_tree_attention.py",
+    "tests/unit/engine/test_kv_cache.py",
+    "tests/unit/engine/test_compile.py",
+    "tests/unit/engine/test_step_counts.py",
+    "tests/unit/speculation/test_speculative.py",
+    "tests/unit/verifier/test_engine.py",
+    "tests/unit/speculation/test_acceptance.py",
+    "tests/unit/speculation/test_sampling_drops.py",
     # A cluster start costs ~20 s a case on an H200, so one case of each cluster test whose
     # parameters the in-process tests above already cover (the whole list took 395 s there).
-    "tests/test_spec_cluster.py::test_concurrent_greedy_requests_equal_the_targets_output"
+    "tests/cluster/test_spec_cluster.py::test_concurrent_greedy_requests_equal_the_targets_output"
     "[hybrid-run-ahead]",
-    "tests/test_spec_cluster.py::test_concurrent_greedy_requests_equal_the_targets_output"
+    "tests/cluster/test_spec_cluster.py::test_concurrent_greedy_requests_equal_the_targets_output"
     "[draft-tree]",
-    "tests/test_spec_cluster.py::"
+    "tests/cluster/test_spec_cluster.py::"
     "test_an_imperfect_draft_is_rejected_where_it_errs_and_the_output_stays_the_targets[tree]",
-    "tests/test_serving.py::test_sequences_joining_and_leaving_mid_batch_keep_greedy_outputs"
+    "tests/cluster/test_serving.py::test_sequences_joining_and_leaving_mid_batch_keep_greedy_outputs"
     "[speculative]",
 ]
 QUICK_TESTS = [
-    "tests/test_units.py::test_settings_refuse_a_device_this_build_cannot_run",
-    "tests/test_tree_attention.py",
-    "tests/test_engine.py::test_a_temperature_near_zero_is_greedy",
+    "tests/unit/common/test_settings.py::test_settings_refuse_a_device_this_build_cannot_run",
+    "tests/unit/engine/test_tree_attention.py",
+    "tests/unit/verifier/test_engine.py::test_a_temperature_near_zero_is_greedy",
 ]
 # Imports the bundle's wheels provide: one missing, and they are installed.
 NEEDED_MODULES = (
@@ -157,7 +157,7 @@ class Check:
     def tests(self) -> Stage:
         tests = list(self.args.tests or (QUICK_TESTS if self.args.quick else TESTS))
         if not self.args.tests and not self.args.quick and self.target_weights_here():
-            tests.append("tests/test_default_model.py")  # the default pair against HF
+            tests.append("tests/cluster/test_default_model.py")  # the default pair against HF
         junit = str(self.out / "junit.xml")
         pytest = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
         pytest += ["-p", "pytest_timeout", "--timeout", "180", f"--junitxml={junit}", *tests]

@@ -44,7 +44,7 @@ def test_a_stage_past_its_limit_is_stopped_with_what_it_started(tmp_path):
 def test_the_check_records_a_failed_stage_and_runs_the_next(tmp_path):
     """cuda:99 is a device no machine has: the environment stage fails on the settings' check
     (naming the key), and the tests stage still runs and passes."""
-    test = "tests/test_units.py::test_settings_refuse_a_device_this_build_cannot_run"
+    test = "tests/unit/common/test_settings.py::test_settings_refuse_a_device_this_build_cannot_run"
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cuda:99", "--budget", "240"]
         + ["--skip-bench", "--out", str(tmp_path), "--tests", test],
