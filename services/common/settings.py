@@ -7,13 +7,15 @@ Everything is validated at start; a bad value raises ConfigError naming the key.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+G = TypeVar("G")  # a settings group (VerifierSettings._view)
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16", "int8", "int4"]
 DTYPE_HELP = (
@@ -357,21 +359,92 @@ class SchedulerSettings(ServiceSettings):
     )
 
 
+# --- the verifier's settings, by concern ---------------------------------------------------
+# VerifierSettings keeps every key flat (`verifier: {kv_block_size: 16}`,
+# SPECSERVE_VERIFIER_KV_BLOCK_SIZE): the flat fields are what is loaded and validated. Each
+# concern is also a typed, frozen view (`settings.cache`, `settings.batch`, ...) whose fields
+# are those keys by the same names; the engine and its parts take the views they need.
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """The running batch: its slots, and how long and how fast its sequences grow."""
+
+    batch_size: int
+    interactive_reserved_slots: int
+    max_seq_len: int
+    max_prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The KV cache: its size, its blocks, and the prefix cache over them."""
+
+    kv_budget_tokens: int
+    kv_memory_fraction: float
+    kv_block_size: int
+    kv_watermark: float
+    prefix_cache: bool
+    prefix_summary_blocks: int
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """Speculative decoding: the drafters, their trees' sizes, and what a step does without."""
+
+    speculative_decoding: bool
+    drafter_addresses: list[str]
+    discover_drafters: bool
+    verification_tree_size: int
+    deep_tree_size: int
+    speculation_policy: str
+    draft_timeout_seconds: float
+    forced_drafts: bool
+    fallback_mode: str
+    breaker_failures: int
+    breaker_cooldown_seconds: float
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """How a step's tokens reach Redis, and how a client that does not read holds its own."""
+
+    async_step_writes: bool
+    max_unread_tokens: int
+    pause_timeout_seconds: float
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """Tensor parallelism: the ranks the target model is split over."""
+
+    tensor_parallel: int
+    tensor_parallel_timeout_seconds: float
+
+
 class VerifierSettings(ServiceSettings):
     section: ClassVar[str] = "verifier"
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_VERIFIER_", extra="forbid")
 
+    # --- who it is and where (flat) ---------------------------------------------------------
     port: int = Field(default=50053, ge=0, le=65535)
     verifier_id: str | None = Field(default=None, description="Registry id; host:port if unset.")
     advertise_address: str | None = Field(
         default=None, description="Address the scheduler dials; host:port if unset."
     )
-    model: ModelRef = ModelRef()
     pool: Literal["stable", "canary"] = Field(
         default="stable",
         description="Rollout pool; the canary gets the share of new requests that "
         "`specserve rollout canary` sets (none until then).",
     )
+    stall_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="A decode step running longer than this reports NOT_SERVING (wedged).",
+    )
+
+    # --- the model and what runs it (flat) ------------------------------------------------
+    model: ModelRef = ModelRef()
     device: Device = "cpu"
     dtype: Dtype = Field(default="float32", description=DTYPE_HELP)
     compile: bool = Field(default=False, description=COMPILE_HELP)
@@ -383,6 +456,11 @@ class VerifierSettings(ServiceSettings):
         "auto: paged where it runs (on this CPU it measured faster at every batch), else "
         "padded. An explicit paged where it cannot run stops the start.",
     )
+    torch_threads: int = Field(
+        default=0, ge=0, description="0: torch's default on the CPU (per rank), 1 on a GPU."
+    )
+
+    # --- the running batch (settings.batch) -------------------------------------------------
     batch_size: int = Field(default=8, ge=1, description="Most sequences in the running batch.")
     interactive_reserved_slots: int = Field(
         default=1, ge=0, description="Batch slots that batch-class work may not take."
@@ -395,6 +473,8 @@ class VerifierSettings(ServiceSettings):
         ge=1,
         description="Prompt tokens prefilled per step (longer prompts are chunked).",
     )
+
+    # --- the KV cache (settings.cache) ------------------------------------------------------
     kv_budget_tokens: int = Field(
         default=0, ge=0, description="KV cache budget in tokens; 0 derives it from free memory."
     )
@@ -424,24 +504,8 @@ class VerifierSettings(ServiceSettings):
         ge=0,
         description="Cached block hashes the heartbeat publishes for prefix-aware placement.",
     )
-    torch_threads: int = Field(
-        default=0, ge=0, description="0: torch's default on the CPU (per rank), 1 on a GPU."
-    )
-    tensor_parallel: int = Field(
-        default=1,
-        ge=1,
-        le=64,
-        description="Ranks the target model is split over (one process and device each; "
-        "rank 0 serves). Must divide its attention heads, KV heads, intermediate size and "
-        "vocabulary; on cuda, one visible device per rank from `device` on.",
-    )
-    tensor_parallel_timeout_seconds: float = Field(
-        default=120.0,
-        gt=0,
-        description="How long the ranks may take to meet at start (and at least 300 s to load "
-        "their shards), and one exchange between them within a step, before the verifier "
-        "gives up and stops: a stuck rank never hangs it. Waiting for work has no limit.",
-    )
+
+    # --- speculative decoding (settings.speculation) ----------------------------------------
     speculative_decoding: bool = Field(
         default=False, description="Ask drafters for trees; off = plain decoding."
     )
@@ -465,6 +529,11 @@ class VerifierSettings(ServiceSettings):
         "match: no draft pass), so copying sequences draft deep; adaptive: within it, as far "
         "as the nodes pay for their verification.",
     )
+    speculation_policy: Literal["adaptive", "fixed"] = Field(
+        default="adaptive",
+        description="adaptive: tree size per step from a cost model (down to 0); "
+        "fixed: verification_tree_size.",
+    )
     draft_timeout_seconds: float = Field(
         default=5.0, gt=0, description="A step's drafts arriving later than this are not used."
     )
@@ -482,15 +551,12 @@ class VerifierSettings(ServiceSettings):
     breaker_cooldown_seconds: float = Field(
         default=10.0, ge=0, description="How long an open breaker skips the drafter."
     )
-    stall_seconds: float = Field(
-        default=120.0,
-        gt=0,
-        description="A decode step running longer than this reports NOT_SERVING (wedged).",
-    )
-    speculation_policy: Literal["adaptive", "fixed"] = Field(
-        default="adaptive",
-        description="adaptive: tree size per step from a cost model (down to 0); "
-        "fixed: verification_tree_size.",
+
+    # --- writing tokens and slow readers (settings.stream) ----------------------------------
+    async_step_writes: bool = Field(
+        default=True,
+        description="Write a step's tokens to Redis while the next step computes (one write "
+        "in flight); false: each step waits for its write.",
     )
     max_unread_tokens: int = Field(
         default=256,
@@ -503,10 +569,22 @@ class VerifierSettings(ServiceSettings):
         gt=0,
         description="A sequence paused this long ends (cancelled) and frees its slot.",
     )
-    async_step_writes: bool = Field(
-        default=True,
-        description="Write a step's tokens to Redis while the next step computes (one write "
-        "in flight); false: each step waits for its write.",
+
+    # --- tensor parallelism (settings.parallel) ---------------------------------------------
+    tensor_parallel: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Ranks the target model is split over (one process and device each; "
+        "rank 0 serves). Must divide its attention heads, KV heads, intermediate size and "
+        "vocabulary; on cuda, one visible device per rank from `device` on.",
+    )
+    tensor_parallel_timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long the ranks may take to meet at start (and at least 300 s to load "
+        "their shards), and one exchange between them within a step, before the verifier "
+        "gives up and stops: a stuck rank never hangs it. Waiting for work has no limit.",
     )
 
     @model_validator(mode="after")
@@ -520,6 +598,31 @@ class VerifierSettings(ServiceSettings):
 
             rank_devices(self.device, self.tensor_parallel, torch.cuda.device_count())
         return self
+
+    @property
+    def batch(self) -> BatchSettings:
+        return self._view(BatchSettings)
+
+    @property
+    def cache(self) -> CacheSettings:
+        return self._view(CacheSettings)
+
+    @property
+    def speculation(self) -> SpeculationSettings:
+        return self._view(SpeculationSettings)
+
+    @property
+    def stream(self) -> StreamSettings:
+        return self._view(StreamSettings)
+
+    @property
+    def parallel(self) -> ParallelSettings:
+        return self._view(ParallelSettings)
+
+    def _view(self, group: type[G]) -> G:
+        """The group's fields, read from the flat keys of the same names (built on each use:
+        a copy with other values, `model_copy(update=...)`, has its own views)."""
+        return group(**{f.name: getattr(self, f.name) for f in fields(group)})
 
 
 class DrafterSettings(ServiceSettings):
