@@ -65,14 +65,14 @@ run: setup
 	$(VENV)/bin/specserve --config config/specserve.yaml up
 
 # Test tiers by marker (tests/conftest.py): `make test` is what CI runs, every test but the
-# `long` ones, and it prints the 30 slowest; `make test-fast` leaves out every test that starts
-# a cluster or loads the default target (a few minutes, while working); `make test-long` runs
-# the tests whose length in real time is what they test (before a release).
+# `long` ones, and it prints the 30 slowest; `make test-fast` runs the unit tests (tests/unit/)
+# that start no cluster and load no default target (a few minutes, while working); `make
+# test-long` runs the tests whose length in real time is what they test (before a release).
 test: setup proto-check
 	$(PY) -m pytest -q -m "not long" --durations=30 $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not cluster and not default_model and not long" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "unit and not cluster and not default_model and not long" $(PYTEST_ARGS)
 
 test-long: setup
 	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
@@ -94,7 +94,7 @@ bench-kv: setup
 	$(PY) -m benchmarks.kv_concurrency --tiny --requests 48 --max-seq-len 8192
 	$(PY) -m benchmarks.kv_concurrency --tiny --requests 48 --max-seq-len 4096 --block-size 32
 
-# Proposers that learn (README "Speculation that learns"): float32, as bfloat16 is slow on
+# Proposers that learn (docs/benchmarks.md, "Speculation that learns"): float32, as bfloat16 is slow on
 # CPUs without AMX; then 20 requests of one tenant sharing a tool-call schema.
 # BENCH_DEVICE=cuda (and BENCH_DTYPE=bfloat16) on a machine with a GPU.
 BENCH_DEVICE ?= cpu
@@ -107,7 +107,7 @@ bench-learn: setup
 # Spec-Bench (../shared/workloads), the standard library's code edits and the agentic tool
 # calls (benchmarks/workloads.py): the default config (dtype auto) with speculation on and off
 # through the cluster at concurrency 1, 4 and 16; then each proposer's tokens per step replayed
-# against the target's cached greedy output (README "The default config on this CPU").
+# against the target's cached greedy output (docs/benchmarks.md, "The default config on this CPU").
 bench-spec: setup
 	$(PY) -m benchmarks.spec_bench --per-category 1 --tokens 96 --concurrency 1,4,16 \
 		--workload spec_bench,code_edit,agentic
@@ -118,11 +118,11 @@ bench-llamacpp: setup
 	$(PY) -m benchmarks.llamacpp --tokens 128 --threads 2
 
 # Structured outputs and tool calls: grammar and speculation on and off, forced drafts on and
-# off (README "Structured outputs").
+# off (docs/benchmarks.md, "Structured outputs").
 bench-structured: setup
 	$(PY) -m benchmarks.structured --extraction 6 --tools 6 --tokens 96
 
-# The default target over 2 ranks x 1 thread against 1 rank x 2 threads (README "Tensor
+# The default target over 2 ranks x 1 thread against 1 rank x 2 threads (docs/benchmarks.md, "Tensor
 # parallelism"); BENCH_DEVICE=cuda on a machine with 2 GPUs.
 bench-tp: setup
 	$(PY) -m benchmarks.tensor_parallel --ranks 2 --threads 2 --dtype float32 --device $(BENCH_DEVICE)
@@ -148,8 +148,8 @@ bench-engine: setup
 	$(PY) -m benchmarks.engine --label $(LABEL) --dtype bfloat16 --threads 2
 	$(PY) -m benchmarks.step_counts --label $(LABEL)
 
-# The engine's tests on a device and short benchmarks there, unattended and bounded (README
-# "GPU check"): results in build/gpu-check/results/results.json. No setup: it runs with the
+# The engine's tests on a device and short benchmarks there, unattended and bounded
+# (docs/operations.md, "GPU check"): results in build/gpu-check/results/results.json. No setup: it runs with the
 # machine's python3 where there is no venv, after `make gpu-bundle` packed what it lacks.
 DEVICE ?= cuda
 GPU_CHECK_BUDGET ?= 540
@@ -165,7 +165,7 @@ lint: install proto
 	$(VENV)/bin/ruff check services tests benchmarks
 	$(VENV)/bin/ruff format --check services tests benchmarks
 
-# Container image (one for every role) and Kubernetes (deploy/k8s; README "Deploy").
+# Container image (one for every role) and Kubernetes (deploy/k8s; docs/operations.md, "Deploy").
 image:
 	docker build -t specserve:latest .
 

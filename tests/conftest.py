@@ -1,10 +1,15 @@
 """Fixtures: tiny random models, and real clusters (redis-server + four service processes).
 
-Tiers (README "Tests"): a test that starts a service process is marked `cluster`, one that
+The folders mirror the code: tests/unit/<package>/ (a package's own parts, in-process),
+tests/cluster/ (the services as real processes), tests/chaos/ (killing and cutting them),
+tests/deploy/ (manifests, alerts, images, benchmarks' wiring). Each test is marked with its
+folder (`unit`, `cluster_tests`, `chaos`, `deploy`).
+
+Tiers (README, "Tests"): a test that starts a service process is marked `cluster`, one that
 loads the default 1.5B target `default_model`, and one whose length is what it tests `long`.
-`make test-fast` runs the rest; `make test` (CI) runs all but `long`; `make test-long` the
-long ones. A test that starts a service without its `cluster` mark fails, so that the fast
-tier stays fast."""
+`make test-fast` runs the unit tests that are none of these; `make test` (CI) runs all but
+`long`; `make test-long` the long ones. A test that starts a service without its `cluster`
+mark fails, so that the fast tier stays fast."""
 
 from __future__ import annotations
 
@@ -38,6 +43,17 @@ CPU_KERNELS_RUN = DEVICE == "cpu" and kernels.cpu_supported()
 CPU_KERNELS_WHY_NOT = "the engine's CPU kernels: x86 with AVX2, the CPU as the test device"
 CPU_KERNELS = pytest.mark.skipif(not CPU_KERNELS_RUN, reason=CPU_KERNELS_WHY_NOT)
 NOISE = 2.0
+
+
+FOLDERS = {"unit": "unit", "cluster": "cluster_tests", "chaos": "chaos", "deploy": "deploy"}
+
+
+def pytest_collection_modifyitems(items):
+    """Marks each test with its folder, so that `-m unit` (say) selects a folder's tests."""
+    for item in items:
+        folder = item.path.relative_to(Path(__file__).parent).parts[0]
+        if folder in FOLDERS:
+            item.add_marker(FOLDERS[folder])
 
 
 _running: pytest.Item | None = None  # the test being set up, run or torn down

@@ -5,7 +5,7 @@ read through its slots into a padded [B, kv_heads, Lmax, head_dim] batch (a view
 one sequence with contiguous slots), queries are padded to [B, heads, Nmax, head_dim], and one
 SDPA call with the group's mask computes its rows; a step has one group, or two when it mixes
 prompt chunks with decode tokens and trees (batch.py). Why this kernel and not FlexAttention or a
-per-sequence loop: docs/architecture.md ("Attention").
+per-sequence loop: docs/design/engine.md ("Attention kernel").
 """
 
 from __future__ import annotations

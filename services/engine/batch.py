@@ -32,7 +32,7 @@ import torch
 from .kv_cache import SequenceKV
 
 # Sequences with at most this many new tokens share one attention call, the rest another
-# (docs/architecture.md, "Attention kernel": one call for a mixed step pads 3.7-5.9x the work).
+# (docs/design/engine.md, "Attention kernel": one call for a mixed step pads 3.7-5.9x the work).
 SHORT_TOKENS = 64
 
 

@@ -17,7 +17,7 @@ its own input row alone, so a token's rows through the linear layers do not depe
 tokens share its pass, up to INT8_KERNEL_ROWS rows an int8 call (larger calls, prompt chunks, take
 the GEMM path). Float32 attention is row-independent on some CPUs and rounds by 1e-7 with the
 query count on others, and the LM head's logits are bfloat16, so greedy speculation equals
-plain decoding up to ties between the top two logits (docs/architecture.md, "What exactly is
+plain decoding up to ties between the top two logits (docs/design/speculation.md, "What exactly is
 promised"). (With bfloat16 attention the default target's speculative output left its plain
 decoding at token 12 of 24.)
 

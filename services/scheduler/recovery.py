@@ -1,6 +1,6 @@
 """Recovery of running requests whose verifier does not run them: requeued with their progress.
 
-Three ways a request is left so (see "Failures and recovery" in docs/architecture.md):
+Three ways a request is left so (see "Failures and recovery" in docs/design/recovery.md):
 its verifier's registry entry is gone (it died), its claim is by an earlier incarnation of a
 verifier that restarted under the same id, or its live verifier does not list it
 (store/ownership.py). The placement loop calls `Recovery.run` every pass of its expiry

@@ -3,7 +3,7 @@ or a Lark grammar), compiled with llguidance, and a matcher per request that say
 may come next.
 
 llguidance (Microsoft's Rust engine behind Guidance, also one of vLLM's and SGLang's backends)
-was chosen over xgrammar by measurement on this CPU (docs/architecture.md, "Structured
+was chosen over xgrammar by measurement on this CPU (docs/design/api.md, "Structured
 outputs"): it has no dependencies (xgrammar's wheel pulls triton), compiles a schema in about
 a millisecond, computes a token mask without holding the interpreter lock, rolls back, and
 bounds its own work per grammar and per token (`LLParserLimits`), so a hostile schema costs a

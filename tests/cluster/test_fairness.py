@@ -26,7 +26,7 @@ HOARDED = 50
 FEW_STEPS = 10
 PAUSED = "paused: its client is not reading"  # the verifier's log line
 # A client that stops reading: its transport takes ~1 KiB and then no more. (A default gRPC
-# client's receive window grows to megabytes first; see docs/architecture.md.)
+# client's receive window grows to megabytes first; see docs/design/kv.md.)
 STALLED_CLIENT = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
 
 

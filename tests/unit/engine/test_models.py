@@ -98,7 +98,7 @@ def test_a_gguf_converts_to_the_weights_transformers_reads_from_it(tmp_path):
     converted: every tensor is the one Hugging Face dequantises from the GGUF itself, the
     config keeps no GGUF quantization and names its architecture, and the directory loads as
     a plain model. (The weights are written from the loaded model, not copied into a second
-    one: converting the default target peaked at 9.1 GB against 14.4 before, README.)"""
+    one: converting the default target peaked at 9.1 GB against 14.4 before, docs/operations.md.)"""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
