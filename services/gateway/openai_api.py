@@ -1,5 +1,6 @@
 """The OpenAI API's shapes, pure: request bodies in, `GenerateRequest` out; chunks of the
-gateway's stream in, OpenAI's responses and errors out. `http_server` does the I/O.
+gateway's stream in, OpenAI's responses out; the core's typed errors in, OpenAI's error JSON
+and HTTP status out. `http_api` does the I/O.
 
 Bodies are checked strictly (a string where a number belongs is a 400 naming the field);
 fields this module does not know are ignored, as clients send fields at their defaults.
@@ -8,6 +9,7 @@ Fields it knows but cannot honour (n > 1, penalties, logit_bias...) are refused 
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import time
@@ -16,37 +18,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..common.logprob_format import MAX_TOP_LOGPROBS
 from ..v1 import common_pb2, generation_pb2
+from .errors import Code, GatewayError
 from .tools import ToolCallStream, parse_tool_calls
 
 COMPLETIONS, CHAT = "text_completion", "chat.completion"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless asked not to
 
-# gRPC status -> (HTTP status, OpenAI error type, code), as the OpenAI API answers the same case.
-HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", "permission_denied"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    grpc.StatusCode.CANCELLED: (409, "cancelled", "request_cancelled"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "request_id_in_use"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
-    grpc.StatusCode.INTERNAL: (500, "server_error", None),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded"),
+# The core's error code -> (HTTP status, OpenAI error type, code), as the OpenAI API answers
+# the same case.
+HTTP_STATUS: dict[Code, tuple[int, str, str | None]] = {
+    Code.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    Code.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    Code.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    Code.PERMISSION_DENIED: (403, "permission_error", "permission_denied"),
+    Code.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    Code.CANCELLED: (409, "cancelled", "request_cancelled"),
+    Code.ALREADY_EXISTS: (409, "invalid_request_error", "request_id_in_use"),
+    Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    Code.INTERNAL: (500, "server_error", None),
+    Code.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
+    Code.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded"),
 }
 # What a client must not send again as it is (the openai client retries 409 and 5xx unless told).
-NOT_RETRIED = {
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.ALREADY_EXISTS,
-}
+NOT_RETRIED = {Code.CANCELLED, Code.DEADLINE_EXCEEDED, Code.ALREADY_EXISTS}
 INT32_MAX = 2**31 - 1
 HTTP_NAMES = {"grammar": "response_format"}  # gRPC field -> the OpenAI request's
 FINISH = {
@@ -84,11 +83,18 @@ class ApiError(Exception):
         }
 
     @classmethod
+    def of(cls, error: GatewayError) -> ApiError:
+        """The core's typed error as the OpenAI API's."""
+        return cls.from_status(error.code, error.message, error.retry_after_ms)
+
+    @classmethod
     def from_status(
-        cls, code: grpc.StatusCode, details: str, retry_after_ms: int | None = None
+        cls, code: Code | enum.Enum, details: str, retry_after_ms: int | None = None
     ) -> ApiError:
-        """The gateway's gRPC status as the OpenAI API's error; a field the detail names
-        ("max_tokens: ...") becomes `param`, and a retry hint becomes Retry-After."""
+        """An error code (the core's, or a gRPC status of the same name) as the OpenAI API's
+        error; a field the detail names ("max_tokens: ...") becomes `param`, and a retry hint
+        becomes Retry-After."""
+        code = Code.__members__.get(code.name)
         status, type_, openai_code = HTTP_STATUS.get(code, (500, "server_error", None))
         head, sep, rest = details.partition(": ")
         param = head if sep and status == 400 and " " not in head else None
@@ -104,6 +110,9 @@ class ApiError(Exception):
         if code in NOT_RETRIED:
             headers["x-should-retry"] = "false"
         return cls(status, details, type_, param, openai_code, headers)
+
+
+INTERNAL = ApiError(500, "internal error", "server_error")  # (a bug's answer: no traceback)
 
 
 # --- requests ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from helpers import generate, request, wait_until
 from specserve.common.pools import CANARY, STABLE
 from specserve.common.settings import ModelRef, VerifierSettings
 from specserve.engine import kernels, models
-from specserve.gateway.server import result_cache_key, serving_versions
+from specserve.gateway.result_cache import result_cache_key, serving_versions
 from specserve.store import RequestStore, result_key
 from specserve.v1 import generation_pb2, scheduler_pb2
 from specserve.verifier.server import Served
