@@ -18,11 +18,17 @@ masked distribution there is a point mass).
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
 import llguidance
 import llguidance.torch
 import torch
 
 from ..speculation.tree import DraftTree
+
+if TYPE_CHECKING:
+    from .step_plan import StepPlan
 
 FORCED_MAX = 16  # tokens of a forced run drafted in one step
 
@@ -124,6 +130,60 @@ class Constraint:
             if legal[i] and parent in index:
                 index[i] = kept.add(token, index[parent])
         return kept
+
+
+class StepGrammar:
+    """The grammars of a step's sequences: their drafts shaped by them (`guide`), and each
+    part's masks (`masks`), computed on a thread of their own."""
+
+    def __init__(self, max_seq_len: int, forced_drafts: bool):
+        self.max_seq_len = max_seq_len
+        self.forced_drafts = forced_drafts  # a grammar's forced tokens are the draft
+        self._thread = ThreadPoolExecutor(1, "grammar")
+
+    def guide(self, plan: StepPlan, trees: list[DraftTree]) -> list[DraftTree]:
+        """The drafts of sequences with a grammar, shaped by it: where it forces the next
+        tokens, they are the draft; else the tree less what it rules out."""
+        guided = []
+        for part, tree in zip(plan.parts, trees, strict=True):
+            seq = part.seq
+            if seq.constraint is not None and seq.speculate and not part.prefilling:
+                left = min(seq.max_tokens, self.max_seq_len - len(seq.prompt_ids))
+                try:
+                    forced = None
+                    if self.forced_drafts:
+                        forced = seq.constraint.forced(left - len(seq.output_ids) - 1)
+                    shaped = forced if forced is not None else seq.constraint.prune(tree)
+                    seq.drafted += len(shaped) - len(tree)  # (what the target verifies)
+                    tree = shaped
+                except GrammarViolation:
+                    pass  # (its masks say so, and end it)
+            guided.append(tree)
+        return guided
+
+    def masks(self, plan: StepPlan, trees: list[DraftTree]) -> Future:
+        """Each part's grammar masks (None without a grammar, or for a prompt chunk that
+        emits nothing), computed on a thread of their own: the grammar engine leaves the
+        interpreter lock while it works, so they are ready when the forward pass is."""
+
+        def masks() -> list[torch.Tensor | GrammarViolation | None]:
+            found = []
+            for part, tree in zip(plan.parts, trees, strict=True):
+                try:
+                    found.append(
+                        part.seq.constraint.masks(tree)[0]
+                        if part.seq.constraint is not None and part.complete
+                        else None
+                    )
+                except GrammarViolation as e:
+                    found.append(e)
+            return found
+
+        if not any(part.seq.constraint is not None for part in plan.parts):
+            done: Future = Future()
+            done.set_result([None] * len(plan.parts))
+            return done
+        return self._thread.submit(masks)
 
 
 def _allows(row: torch.Tensor, token: int) -> bool:

@@ -37,6 +37,7 @@ from .ranks import Ranks
 from .runner import ModelRunner
 from .sequence import Sequence
 from .speculator import Speculator
+from .writes import Owner
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,6 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
         settings: VerifierSettings,
         engine: Engine,
         store: RequestStore,
-        verifier_id: str,
         served: Served,
         grammars: Grammars,
     ):
@@ -151,8 +151,8 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
         self.engine = engine
         self.grammars = grammars
         self.store = store
-        self.verifier_id = verifier_id
-        self.incarnation = engine.incarnation
+        self.verifier_id = engine.writes.owner.verifier_id
+        self.incarnation = engine.writes.owner.incarnation
         self.served = served
         self.draining = False  # set on SIGTERM: no new work
 
@@ -172,8 +172,8 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
             return self._held(rid)
         if self.draining:
             return pb.AdmitResponse(admitted=False, reason="the verifier is draining")
-        if self.engine.lost:
-            reason = f"the verifier lost a tensor-parallel rank: {self.engine.lost}"
+        if lost := self.engine.lifecycle.lost:
+            reason = f"the verifier lost a tensor-parallel rank: {lost}"
             return pb.AdmitResponse(admitted=False, reason=reason)
         rec = self.store.get(rid)
         if rec is None or rec.status != "queued":
@@ -372,9 +372,9 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
         callers={f"/{name}/Admit": scheduler_only, f"/{name}/Cancel": scheduler_only},
     )
     address = settings.advertise_address or f"{settings.host}:{server.port}"
-    vid = settings.verifier_id or address
     speculator = Speculator(
-        settings,
+        settings.speculation,
+        settings.batch,
         model.config.vocab_size * settings.tensor_parallel,  # (a shard's is 1/N of it)
         discover=lambda: registered_drafters(store, settings.pool),
     )
@@ -393,50 +393,57 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
         raise ConfigError(f"verifier.attention: {e}") from e
     metrics.WARM_UP_SECONDS.set(warm_up_s)
     served = Served.of(settings, models.fingerprint(path, manifest), flat.attention)
-    budget = kv_budget(settings.kv_budget_tokens, settings.kv_memory_fraction, flat)
+    cache = settings.cache
+    budget = kv_budget(cache.kv_budget_tokens, cache.kv_memory_fraction, flat)
     pool = flat.use_pool(  # (allocated now; its pages are touched as blocks fill)
-        budget, settings.kv_block_size, fixed=True, model_version=served.version
+        budget, cache.kv_block_size, fixed=True, model_version=served.version
     )
     metrics.KV_BUDGET.set(pool.tokens)
     metrics.MODEL.labels(served.model, served.sha256, served.version, served.pool).set(1)
     runner = ModelRunner(flat)
     with models.cpu_start(settings.model_cache_dir, settings.device, "verifier"):
         calibrate(speculator, runner)  # (timed: alone on the cores)
+    batch = settings.batch
+    admission = Admission(
+        pool,
+        batch.batch_size,
+        batch.interactive_reserved_slots,
+        watermark_blocks=int(cache.kv_watermark * pool.blocks),
+        prefix_cache=cache.prefix_cache,
+    )
+    owner = Owner(
+        verifier_id=settings.verifier_id or address,
+        incarnation=secrets.token_hex(8),  # new at every start: see "Failures and recovery"
+        pool=served.pool,
+        model_version=served.version,
+    )
     engine = Engine(
         runner,
         speculator,
         store,
-        Admission(
-            pool,
-            settings.batch_size,
-            settings.interactive_reserved_slots,
-            watermark_blocks=int(settings.kv_watermark * pool.blocks),
-            prefix_cache=settings.prefix_cache,
-        ),
-        max_seq_len=settings.max_seq_len,
-        max_prefill_tokens=settings.max_prefill_tokens,
+        admission,
+        batch=batch,
+        stream=settings.stream,
+        speculation=settings.speculation,
+        owner=owner,
         eos_ids=eos_ids,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        verifier_id=vid,
-        incarnation=secrets.token_hex(8),  # new at every start: see "Failures and recovery"
-        served={"pool": served.pool, "model_version": served.version},
-        max_unread_tokens=settings.max_unread_tokens,
-        pause_timeout_seconds=settings.pause_timeout_seconds,
-        async_writes=settings.async_step_writes,
-        forced_drafts=settings.forced_drafts,
     )
-    engine.on_lost = server.fail  # (a lost rank: the verifier exits, to restart as a group)
+    # (a lost rank: the verifier exits, to restart as a group)
+    engine.lifecycle.on_lost = server.fail
     grammars = Grammars(tokenizer, model.config.vocab_size * settings.tensor_parallel)
-    service = VerifierService(settings, engine, store, vid, served, grammars)
+    service = VerifierService(settings, engine, store, served, grammars)
     pb_grpc.add_VerifierServiceServicer_to_server(service, server.grpc)
     stop_hb = threading.Event()
     engine.start()
     # Registered before it serves: a claim by this incarnation is never older than its entry.
-    store.heartbeat(vid, service.registry_entry(address), 3 * settings.heartbeat_seconds)
+    store.heartbeat(
+        owner.verifier_id, service.registry_entry(address), 3 * settings.heartbeat_seconds
+    )
     server.start()
     heartbeat = threading.Thread(
         target=heartbeat_forever,
-        args=(store, "verifier", vid, lambda: service.registry_entry(address)),
+        args=(store, "verifier", owner.verifier_id, lambda: service.registry_entry(address)),
         kwargs={"period": settings.heartbeat_seconds, "stop": stop_hb},
         name="heartbeat",
         daemon=True,
@@ -449,14 +456,14 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
         liveness={  # (a broken model or device is restarted, not failing request after request)
             "decode loop going round": lambda: engine.alive(settings.stall_seconds),
             "steps succeeding": engine.healthy,
-            "tensor-parallel ranks in step": lambda: not engine.lost,
+            "tensor-parallel ranks in step": lambda: not engine.lifecycle.lost,
         },
     )
     log.info(
         "verifier ready",
         extra={
             "address": address,
-            "incarnation": engine.incarnation,
+            "incarnation": owner.incarnation,
             "model": served.model,
             "version": served.version,
             "pool": served.pool,
@@ -473,7 +480,7 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
         """Drain: no new work; the batch finishes within the grace period, the rest goes
         back to the queue with its progress; then the registry entry goes."""
         service.draining = True
-        handed = engine.drain(settings.drain_seconds)
+        handed = engine.lifecycle.drain(settings.drain_seconds)
         log.info("drained", extra={"handed_back": handed})
         stop_hb.set()
         heartbeat.join(timeout=5)

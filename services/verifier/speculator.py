@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..common.settings import VerifierSettings
+from ..common.settings import BatchSettings, SpeculationSettings
 from ..speculation.ngram import NgramProposer
 from ..speculation.policy import EXPLORE_ALPHA, AdaptivePolicy, Candidate
 from ..speculation.proposer import TreeShape
@@ -67,13 +67,19 @@ class Speculator:
     taught the policy (`observe_step`, `observe_acceptance`), and that a sequence ended
     (`forget`)."""
 
-    def __init__(self, settings: VerifierSettings, vocab_size: int, discover=None):
+    def __init__(
+        self,
+        settings: SpeculationSettings,
+        batch: BatchSettings,
+        vocab_size: int,
+        discover=None,
+    ):
         self.enabled = settings.speculative_decoding
         self.tree_size = settings.verification_tree_size
         self.deep_tree_size = settings.deep_tree_size
         self.timeout = settings.draft_timeout_seconds
-        self.max_seq_len = settings.max_seq_len
-        self.batch_size = settings.batch_size
+        self.max_seq_len = batch.max_seq_len
+        self.batch_size = batch.batch_size
         self.vocab_size = vocab_size
         self.pool = (
             DrafterPool(

@@ -63,7 +63,7 @@ def test_fallback_drafts_locally_when_no_drafter_answers():
         breaker_failures=1,
         breaker_cooldown_seconds=60,
     )
-    speculator = Speculator(settings, vocab_size=1000)
+    speculator = Speculator(settings.speculation, settings.batch, vocab_size=1000)
     seq = make_sequence([5, 6, 7, 8, 5, 6], output=[7])
     seq.kv = SimpleNamespace(length=6)  # past the prefill step: the prompt is cached
     try:

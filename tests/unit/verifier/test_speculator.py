@@ -12,12 +12,10 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
     from specserve.verifier.speculator import Speculator
 
     def budgets(measured=True, node_seconds=0.2, **settings):
-        speculator = Speculator(
-            VerifierSettings.load(
-                None, speculative_decoding=True, discover_drafters=False, **settings
-            ),
-            vocab_size=1000,
+        loaded = VerifierSettings.load(
+            None, speculative_decoding=True, discover_drafters=False, **settings
         )
+        speculator = Speculator(loaded.speculation, loaded.batch, vocab_size=1000)
         seqs = []
         for _ in range(3):
             seq = make_sequence([5, 6, 7], output=[8], max_tokens=200)
@@ -58,12 +56,10 @@ def test_a_model_free_tree_explores_shallow_and_goes_deep_once_measured():
     from helpers import make_sequence
     from specserve.verifier.speculator import EXPLORE_DEPTH, EXPLORE_TREES, Speculator
 
-    speculator = Speculator(
-        VerifierSettings.load(
-            None, speculative_decoding=True, discover_drafters=False, deep_tree_size=64
-        ),
-        vocab_size=1000,
+    settings = VerifierSettings.load(
+        None, speculative_decoding=True, discover_drafters=False, deep_tree_size=64
     )
+    speculator = Speculator(settings.speculation, settings.batch, vocab_size=1000)
     policy = speculator.policy
     policy.steps = 1
     policy.cost.coef.a, policy.cost.coef.b = 0.05, 0.002
@@ -88,12 +84,10 @@ def test_a_draft_model_that_fell_behind_has_its_catch_up_priced():
     from specserve.speculation.policy import PROBE_EVERY
     from specserve.verifier.speculator import Speculator
 
-    speculator = Speculator(
-        VerifierSettings.load(
-            None, speculative_decoding=True, discover_drafters=False, deep_tree_size=0
-        ),
-        vocab_size=1000,
+    settings = VerifierSettings.load(
+        None, speculative_decoding=True, discover_drafters=False, deep_tree_size=0
     )
+    speculator = Speculator(settings.speculation, settings.batch, vocab_size=1000)
     policy = speculator.policy
     policy.cost.coef.a, policy.cost.coef.b, policy.cost.coef.c = 0.05, 0.002, 0.01
     policy.cost.per_token_known = True
@@ -130,7 +124,7 @@ def test_a_pinned_tree_size_stays_within_the_operators_largest_tree():
         verification_tree_size=6,
         deep_tree_size=40,
     )
-    speculator = Speculator(settings, vocab_size=1000)
+    speculator = Speculator(settings.speculation, settings.batch, vocab_size=1000)
     seq = make_sequence([5, 6, 7], output=[8], max_tokens=500)
     seq.kv = SimpleNamespace(length=3)
     for pinned, cap in ((256, 40), (20, 20), (3, 3)):
@@ -143,7 +137,8 @@ def test_a_model_free_tree_with_draft_distributions_is_dropped():
     from specserve.v1 import drafter_pb2
     from specserve.verifier.speculator import Speculator
 
-    speculator = Speculator(VerifierSettings.load(None), vocab_size=1000)
+    settings = VerifierSettings.load(None)
+    speculator = Speculator(settings.speculation, settings.batch, vocab_size=1000)
     tree = DraftTree(token_ids=[1, 2], parents=[-1, 0], model_free=True)
     msg = drafter_pb2.DraftTree()
     to_proto(tree, msg)
