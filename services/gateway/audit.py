@@ -1,5 +1,5 @@
 """The audit trail: one record per Generate call, as a JSON log line (logger
-`specserve.audit`) and in a Redis stream of bounded length (`specserve:audit`). Ids, sizes,
+`specserve.audit`) and in a Redis stream of bounded length (store.schema: audit). Ids, sizes,
 status and timing only: never prompt or output text."""
 
 from __future__ import annotations
@@ -9,14 +9,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
 from ..common.outage import REDIS_ERRORS
-from ..store import PREFIX
+from ..store import RequestStore
 from .keys import ANONYMOUS, Principal
 
 log = logging.getLogger("specserve.audit")
-AUDIT_STREAM = f"{PREFIX}audit"
 
 
 @dataclass
@@ -62,14 +59,17 @@ class Call:
 
 
 class Audit:
-    def __init__(self, client: redis.Redis, max_entries: int):
-        self.r = client
+    """Writes audit records: a log line each, and an entry of the store's audit stream (which
+    keeps about the last `max_entries`)."""
+
+    def __init__(self, store: RequestStore, max_entries: int):
+        self.store = store
         self.max_entries = max_entries
 
     def write(self, record: dict) -> None:
         log.info("audit", extra=record)
         try:
             fields = {k: str(v) for k, v in record.items()}
-            self.r.xadd(AUDIT_STREAM, fields, maxlen=self.max_entries, approximate=True)
+            self.store.append_audit(fields, self.max_entries)
         except REDIS_ERRORS:
             log.warning("audit stream unavailable; the log line stands")

@@ -1,10 +1,11 @@
 """API keys, tenants and per-key quotas, held in Redis so that every gateway shares them.
 
-A key reads `ssk_<id>_<secret>`. Redis keeps, under `specserve:apikey:<id>`, the SHA-256 of
-the whole key (never the key), its tenant, tier and limits; a presented key is looked up by
-its id and compared by digest in constant time.
+A key reads `ssk_<id>_<secret>`. Redis keeps, under its id (store.schema: apikey:<id>), the
+SHA-256 of the whole key (never the key), its tenant, tier and limits; a presented key is
+looked up by its id and compared by digest in constant time.
 
-Quotas per key, enforced in Lua scripts so that concurrent gateways share one limit:
+Quotas per key, enforced in Lua scripts (store.scripts) so that concurrent gateways share one
+limit:
 requests per minute and tokens per minute (token buckets that refill continuously; a request
 takes one request and a stream slot before any work is done for it, then, once tokenized,
 prompt + max_tokens tokens, and what it did not generate is given back when it ends), and
@@ -21,31 +22,17 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import redis
 import yaml
-from redis.cluster import RedisCluster
 
 from ..common.settings import Tier
-from ..store import PREFIX, now_ms
+from ..store import QuotaCode, RequestStore, now_ms
 
 KEY_PREFIX = "ssk"
 TENANT = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
-STREAM_MAX_AGE_MS = 3600 * 1000  # a stream entry older than this is taken for a dead gateway
-STREAM_TOUCH_SECONDS = 300.0  # how often a gateway marks its open streams alive (well under)
-
-
-def key_record(key_id: str) -> str:
-    return f"{PREFIX}apikey:{key_id}"
-
-
-KEY_IDS = f"{PREFIX}apikeys"
-
-
-def quota_keys(key_id: str) -> list[str]:
-    """A key's request/token buckets and its open streams: one hash tag, so the quota
-    scripts touch one slot on Redis Cluster."""
-    return [f"{PREFIX}quota:{{{key_id}}}", f"{PREFIX}streams:{{{key_id}}}"]
+STREAM_TOUCH_SECONDS = 300.0  # how often a gateway marks its open streams alive (well under
+# store.STREAM_MAX_AGE_MS, after which a stream is taken for a dead gateway's)
 
 
 class AuthError(Exception):
@@ -87,67 +74,14 @@ def split_key(key: str) -> str:
     return parts[1]
 
 
-# Both buckets refilled to now (they share one timestamp). KEYS[1]: bucket hash; ARGV[1-3]:
-# now_ms, rpm, tpm.
-_REFILL = """
-local now, rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local b = redis.call('HMGET', KEYS[1], 'req', 'tok', 'ts')
-local req, tok, ts = tonumber(b[1]) or rpm, tonumber(b[2]) or tpm, tonumber(b[3]) or now
-local elapsed = math.max(0, now - ts)
-req = math.min(rpm, req + elapsed * rpm / 60000)
-tok = math.min(tpm, tok + elapsed * tpm / 60000)
-redis.call('HSET', KEYS[1], 'req', req, 'tok', tok, 'ts', now)
-redis.call('PEXPIRE', KEYS[1], 120000)
-"""
-
-# Opens a stream slot of a key and, for a new request, takes one request from its bucket; or
-# takes nothing. KEYS: bucket hash, streams zset. ARGV: now_ms, rpm, tpm, concurrent limit,
-# stream id, stream max age ms, a new request (1/0). Returns {0, 0} admitted, else
-# {1 rpm | 3 streams, retry after ms}.
-_ADMIT = (
-    _REFILL
-    + """
-if ARGV[7] == '1' and req < 1 then return {1, math.ceil((1 - req) * 60000 / rpm)} end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[6]))
-if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then return {3, 1000} end
-redis.call('ZADD', KEYS[2], now, ARGV[5])
-redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[6]))
-if ARGV[7] == '1' then redis.call('HSET', KEYS[1], 'req', req - 1) end
-return {0, 0}
-"""
-)
-
-# Takes ARGV[4] tokens from a key's token bucket, or nothing. KEYS: bucket hash. ARGV: now_ms,
-# rpm, tpm, tokens. Returns {0, 0} taken, else {2, retry after ms}.
-_TAKE_TOKENS = (
-    _REFILL
-    + """
-local want = tonumber(ARGV[4])
-if tok < want then return {2, math.ceil((want - tok) * 60000 / tpm)} end
-redis.call('HSET', KEYS[1], 'tok', tok - want)
-return {0, 0}
-"""
-)
-
-# Ends a stream: frees its slot and gives back ARGV[2] unused tokens (capped at ARGV[3]).
-_RELEASE = """
-redis.call('ZREM', KEYS[2], ARGV[1])
-local tok = tonumber(redis.call('HGET', KEYS[1], 'tok'))
-if tok then
-  redis.call('HSET', KEYS[1], 'tok', math.min(tonumber(ARGV[3]), tok + tonumber(ARGV[2])))
-end
-return 1
-"""
-
-
 class KeyStore:
-    """API keys and quotas in Redis (`specserve keys` and the gateway)."""
+    """API keys and quotas (`specserve keys` and the gateway), kept in Redis by the store
+    (store/tenants.py)."""
 
-    def __init__(self, client: redis.Redis):
-        self.r = client
-        self._admit = client.register_script(_ADMIT)
-        self._take_tokens = client.register_script(_TAKE_TOKENS)
-        self._release = client.register_script(_RELEASE)
+    def __init__(self, store: RequestStore | Any):
+        """`store`: the RequestStore, or a Redis client (tools and tests), which is wrapped
+        in one."""
+        self.store = store if isinstance(store, RequestStore) else RequestStore(store)
 
     # --- keys -------------------------------------------------------------------------------
     def create(
@@ -175,31 +109,19 @@ class KeyStore:
         }
         if revoked is not None:
             record["revoked"] = int(revoked)
-        # One transaction on one Redis; on Redis Cluster two slots: the record first (one
-        # HSET: a key revoked in the file is never stored live, even for a moment).
-        pipe = self.r.pipeline(transaction=not isinstance(self.r, RedisCluster))
-        pipe.hset(key_record(key_id), mapping=record)
-        if revoked is None:
-            pipe.hsetnx(key_record(key_id), "revoked", 0)
-        pipe.sadd(KEY_IDS, key_id)
-        pipe.execute()
+        self.store.put_api_key(key_id, record, keep_revoked=revoked is None)
         return key
 
     def revoke(self, key_id: str) -> bool:
         """Revokes a key by id; False if there is no such key."""
-        if not self.r.exists(key_record(key_id)):
-            return False
-        self.r.hset(key_record(key_id), "revoked", 1)
-        return True
+        return self.store.revoke_api_key(key_id)
 
     def list(self) -> list[dict[str, str]]:
         """Every key's id, tenant, tier, limits and state (never the key or its digest)."""
         rows = []
-        for key_id in sorted(self.r.smembers(KEY_IDS)):
-            record = self.r.hgetall(key_record(key_id))
-            if record:
-                record.pop("digest", None)
-                rows.append({"id": key_id, **record})
+        for key_id, record in self.store.api_keys():
+            record.pop("digest", None)
+            rows.append({"id": key_id, **record})
         return rows
 
     def seed(self, path: str | Path, tiers: dict[str, Tier]) -> int:
@@ -221,7 +143,7 @@ class KeyStore:
 
     def authenticate(self, key: str) -> Principal:
         key_id = split_key(key)
-        record = self.r.hgetall(key_record(key_id))
+        record = self.store.api_key(key_id)
         presented = digest(key)
         if not record:
             hmac.compare_digest(presented, presented)  # the same work as a known id
@@ -247,17 +169,13 @@ class KeyStore:
         limits = who.limits
         if limits is None:
             return
-        code, retry_ms = self._admit(
-            keys=quota_keys(who.key_id),
-            args=[
-                now_ms(),
-                limits.requests_per_minute,
-                limits.tokens_per_minute,
-                limits.concurrent_streams,
-                stream_id,
-                STREAM_MAX_AGE_MS,
-                int(new_request),
-            ],
+        code, retry_ms = self.store.quota_admit(
+            who.key_id,
+            limits.requests_per_minute,
+            limits.tokens_per_minute,
+            limits.concurrent_streams,
+            stream_id,
+            new_request,
         )
         self._raise_for(code, retry_ms, limits)
 
@@ -273,19 +191,18 @@ class KeyStore:
                 f"{limits.tokens_per_minute} tokens per minute; lower max_tokens",
                 retry_after_ms=0,
             )
-        code, retry_ms = self._take_tokens(
-            keys=quota_keys(who.key_id)[:1],
-            args=[now_ms(), limits.requests_per_minute, limits.tokens_per_minute, tokens],
+        code, retry_ms = self.store.quota_take_tokens(
+            who.key_id, limits.requests_per_minute, limits.tokens_per_minute, tokens
         )
         self._raise_for(code, retry_ms, limits)
 
     @staticmethod
-    def _raise_for(code: int, retry_ms: int, limits: Tier) -> None:
-        if code == 1:
+    def _raise_for(code: QuotaCode, retry_ms: int, limits: Tier) -> None:
+        if code == QuotaCode.REQUESTS:
             why = f"{limits.requests_per_minute} requests per minute"
-        elif code == 2:
+        elif code == QuotaCode.TOKENS:
             why = f"{limits.tokens_per_minute} tokens per minute"
-        elif code == 3:
+        elif code == QuotaCode.STREAMS:
             why = f"{limits.concurrent_streams} concurrent streams"
         else:
             return
@@ -298,23 +215,13 @@ class KeyStore:
         """Closes a stream and gives back the tokens its request reserved and did not use."""
         if who.limits is None:
             return
-        self._release(
-            keys=quota_keys(who.key_id),
-            args=[stream_id, max(0, unused_tokens), who.limits.tokens_per_minute],
-        )
+        self.store.quota_release(who.key_id, stream_id, unused_tokens, who.limits.tokens_per_minute)
 
     def touch(self, streams: list[tuple[str, str]]) -> None:
         """Marks open streams, as (key id, stream id), alive: only a dead gateway's age out,
         however long a stream runs. A slot given back (or aged out) is not taken again."""
-        if not streams:
-            return
-        now = now_ms()
-        pipe = self.r.pipeline(transaction=False)
-        for key_id, sid in streams:
-            zset = quota_keys(key_id)[1]
-            pipe.zadd(zset, {sid: now}, xx=True)
-            pipe.pexpire(zset, STREAM_MAX_AGE_MS)
-        pipe.execute()
+        if streams:
+            self.store.quota_touch(streams)
 
 
 def stream_id() -> str:

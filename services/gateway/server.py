@@ -39,7 +39,7 @@ def build(settings: GatewaySettings):
     store = RequestStore.connect(settings)
     store.wait_reachable()
     if settings.api_keys_file:
-        seeded = KeyStore(store.r).seed(settings.api_keys_file, settings.tiers)
+        seeded = KeyStore(store).seed(settings.api_keys_file, settings.tiers)
         log.info("api keys seeded", extra={"keys": seeded})
     if settings.auth == "off":
         log.warning("authentication is off: every caller is one anonymous tenant, no quotas")

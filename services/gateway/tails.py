@@ -40,7 +40,6 @@ STREAMS_PER_READER = 256
 BLOCK_MS = 1000  # how long a read blocks with no output (it returns on any key's entry)
 COUNT = 64  # entries per key per read
 MAX_BACKLOG = 64  # batches a stream's queue holds before its reader leaves it out
-WAKE_TTL_MS = 60_000
 
 
 @dataclass(eq=False)
@@ -48,7 +47,7 @@ class Tail:
     """One open stream: the request, where its reads are, and the batches read for it."""
 
     rid: str
-    key: str
+    key: str  # its output stream, as the store names it (store.layout.out)
     last_id: str
     backlog: deque = field(default_factory=deque)  # batches read, not yet taken (loop-owned)
     reader: _Reader | None = None
@@ -117,10 +116,7 @@ class _Reader:
 
     def _wake(self) -> None:
         try:
-            pipe = self.tails.store.r.pipeline(transaction=False)
-            pipe.xadd(self.wake_key, {"w": 1}, maxlen=1, approximate=False)
-            pipe.pexpire(self.wake_key, WAKE_TTL_MS)
-            pipe.execute()
+            self.tails.store.wake(self.wake_key)
         except REDIS_ERRORS:
             pass  # the read returns within BLOCK_MS anyway
 
@@ -144,7 +140,7 @@ class _Reader:
         keys = {t.key: t.last_id for t in live}
         keys[self.wake_key] = self.wake_id
         try:
-            resp = self.tails.store.r.xread(keys, block=BLOCK_MS, count=COUNT)
+            resp = self.tails.store.read_streams(keys, BLOCK_MS, COUNT)
         except REDIS_ERRORS as e:
             outage.failed(e)
             self.failing_since = self.failing_since or time.monotonic()

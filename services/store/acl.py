@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from . import PREFIX
+from .schema import PREFIX
 
 SERVICES = ("gateway", "scheduler", "verifier", "drafter")
 

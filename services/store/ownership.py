@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import Claim
+from .requests import Claim
 
 EARLIER_INCARNATION = "earlier_incarnation"
 NOT_RUNNING = "not_running"

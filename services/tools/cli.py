@@ -77,7 +77,7 @@ def _keys(args: argparse.Namespace) -> int:
     from ..store import RequestStore
 
     settings = GatewaySettings.load(args.config)
-    keys = KeyStore(RequestStore.connect(settings, args.redis_url).r)
+    keys = KeyStore(RequestStore.connect(settings, args.redis_url))
     if args.keys_cmd == "create":
         if args.tier not in settings.tiers:
             print(f"error: unknown tier {args.tier!r} (known: {sorted(settings.tiers)})")

@@ -14,8 +14,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis
-
 from ..common import tls
 from ..common.settings import SETTINGS_BY_SERVICE, ConfigError, ServiceSettings
 from ..engine import models
@@ -212,10 +210,7 @@ def cluster(settings: dict[str, ServiceSettings], addresses: dict[str, str]) -> 
     if not store.ping():
         yield Finding("fail", "redis", "unreachable: start it, or fix redis_url")
         return
-    try:
-        aof = store.r.config_get("appendonly").get("appendonly", "?")
-    except redis.RedisError:
-        aof = "?"  # CONFIG may be disabled
+    aof = store.appendonly()  # ("?" where CONFIG is disabled)
     level = "ok" if aof == "yes" else "warn"
     yield Finding(
         level,
@@ -223,8 +218,7 @@ def cluster(settings: dict[str, ServiceSettings], addresses: dict[str, str]) -> 
         f"reachable; appendonly={aof}"
         + ("" if aof == "yes" else ": without AOF a Redis restart loses every request"),
     )
-    seconds, micros = store.r.time()
-    skew = seconds + micros / 1e6 - time.time()
+    skew = store.server_time() - time.time()
     level = "ok" if abs(skew) < 1 else "warn"
     yield Finding(
         level,

@@ -227,7 +227,7 @@ class LocalCluster:
                     raise ClusterError(f"no {kind} on port {port} registered after {timeout:.0f}s")
                 time.sleep(0.05)
         finally:
-            store.r.close()
+            store.close()
 
     def start_service(
         self,
@@ -369,16 +369,18 @@ class LocalCluster:
 
 def dev_key(cluster: LocalCluster) -> str | None:
     """A new key of tenant `dev` for the local cluster, unless its gateway runs without auth."""
-    import redis
-
     from ..common.settings import GatewaySettings
     from ..gateway.keys import KeyStore
+    from ..store import RequestStore
 
     settings = GatewaySettings.load(cluster.config_path)
     if settings.auth == "off":
         return None
-    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-    return KeyStore(client).create("dev", "standard", settings.tiers["standard"])
+    store = RequestStore.from_url(cluster.redis_url)
+    try:
+        return KeyStore(store).create("dev", "standard", settings.tiers["standard"])
+    finally:
+        store.close()
 
 
 def run_local_cluster(

@@ -22,9 +22,8 @@ from conftest import tls_cluster_config
 from helpers import request, wait_until
 from specserve.common.settings import DEFAULT_TIERS
 from specserve.common.tls import make_dev_certs
-from specserve.gateway.audit import AUDIT_STREAM
-from specserve.gateway.keys import KeyStore, quota_keys
-from specserve.store import req_key
+from specserve.gateway.keys import KeyStore
+from specserve.store import AUDIT_STREAM, quota_keys, req_key
 from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2_grpc
 

@@ -19,9 +19,8 @@ from conftest import cluster_config, tls_cluster_config
 from helpers import request
 from specserve.common.settings import DEFAULT_TIERS, Tier
 from specserve.common.tls import make_dev_certs
-from specserve.gateway.audit import AUDIT_STREAM
-from specserve.gateway.keys import STREAM_MAX_AGE_MS, KeyStore, QuotaExceeded, quota_keys
-from specserve.store import now_ms
+from specserve.gateway.keys import KeyStore, QuotaExceeded
+from specserve.store import AUDIT_STREAM, STREAM_MAX_AGE_MS, now_ms, quota_keys
 from specserve.tools.local_cluster import ClusterError, LocalCluster
 from specserve.v1 import (
     common_pb2,

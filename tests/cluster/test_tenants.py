@@ -19,8 +19,8 @@ import redis
 from conftest import cluster_config
 from helpers import scrape, wait_until
 from specserve.common.settings import DEFAULT_TIERS
-from specserve.gateway.keys import KEY_IDS, KeyStore, key_record, quota_keys, split_key
-from specserve.store import RequestStore, session_key
+from specserve.gateway.keys import KeyStore, split_key
+from specserve.store import KEY_IDS, RequestStore, key_record, quota_keys, session_key
 from specserve.store.acl import SERVICES
 from specserve.tools.local_cluster import LocalCluster
 from specserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
