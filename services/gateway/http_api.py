@@ -29,11 +29,11 @@ from .openai_api import (
     HTTP_STATUS,
     INTERNAL,
     ApiError,
-    Completion,
     calls_tools,
     parse,
     to_generate,
 )
+from .openai_responses import Completion
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ import json
 import grpc
 import pytest
 
-from specserve.gateway.openai_api import CHAT, COMPLETIONS, ApiError, Completion, parse, to_generate
+from specserve.gateway.openai_api import CHAT, COMPLETIONS, ApiError, parse, to_generate
+from specserve.gateway.openai_responses import Completion
 from specserve.v1 import common_pb2, generation_pb2
 
 
