@@ -64,7 +64,7 @@ class Lifecycle:
         """Hands every request here back to the queue with its progress (the loop is not
         running); how many were."""
         engine, writes = self.engine, self.engine.writes
-        engine.take_new(block=False)
+        engine.batch.take_new(block=False)  # (those admitted but not yet in the batch, too)
         try:
             writes.landed()  # the write in flight, if any: its tokens count as written
         except Exception:
