@@ -352,32 +352,32 @@ def build(settings: VerifierSettings) -> tuple[Server, callable]:
         raise
 
 
-def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None):
-    tokenizer = models.load_tokenizer(path)
+def eos_ids_of(model, tokenizer) -> set[int]:
+    """The tokens that end a sequence: the model's generation config's and the tokenizer's."""
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    store = RequestStore.connect(settings)
-    store.wait_reachable()
-    store.ensure_queues()
+    return eos_ids
+
+
+def grpc_server(settings: VerifierSettings) -> Server:
+    """The verifier's gRPC server (bound, not started). Under mTLS, only the scheduler
+    admits and cancels; Status (what it serves) is any certificate's of the cluster
+    (doctor's)."""
     name = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
-    # Under mTLS, only the scheduler admits and cancels; Status (what it serves) is any
-    # certificate's of the cluster (doctor's).
     scheduler_only = frozenset({"scheduler"})
-    server = Server(
+    return Server(
         settings.host,
         settings.port,
         [name],
         callers={f"/{name}/Admit": scheduler_only, f"/{name}/Cancel": scheduler_only},
     )
-    address = settings.advertise_address or f"{settings.host}:{server.port}"
-    speculator = Speculator(
-        settings.speculation,
-        settings.batch,
-        model.config.vocab_size * settings.tensor_parallel,  # (a shard's is 1/N of it)
-        discover=lambda: registered_drafters(store, settings.pool),
-    )
+
+
+def prepare(settings: VerifierSettings, model, ranks: Ranks | None) -> FlatModel:
+    """The target as the engine runs it (compiled and warmed up, if asked), or a ConfigError
+    naming the key that asked for what cannot run here."""
     try:
         flat, warm_up_s = FlatModel.prepare(
             model,
@@ -392,18 +392,27 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
     except UnsupportedAttention as e:
         raise ConfigError(f"verifier.attention: {e}") from e
     metrics.WARM_UP_SECONDS.set(warm_up_s)
-    served = Served.of(settings, models.fingerprint(path, manifest), flat.attention)
-    cache = settings.cache
+    return flat
+
+
+def build_engine(
+    settings: VerifierSettings,
+    flat: FlatModel,
+    store: RequestStore,
+    speculator: Speculator,
+    owner: Owner,
+    tokenizer,
+    eos_ids: set[int],
+) -> Engine:
+    """The engine over the prepared target: its KV pool (allocated now; its pages are
+    touched as blocks fill), admission over that, and the verify profile timed."""
+    cache, batch = settings.cache, settings.batch
     budget = kv_budget(cache.kv_budget_tokens, cache.kv_memory_fraction, flat)
-    pool = flat.use_pool(  # (allocated now; its pages are touched as blocks fill)
-        budget, cache.kv_block_size, fixed=True, model_version=served.version
-    )
+    pool = flat.use_pool(budget, cache.kv_block_size, fixed=True, model_version=owner.model_version)
     metrics.KV_BUDGET.set(pool.tokens)
-    metrics.MODEL.labels(served.model, served.sha256, served.version, served.pool).set(1)
     runner = ModelRunner(flat)
     with models.cpu_start(settings.model_cache_dir, settings.device, "verifier"):
         calibrate(speculator, runner)  # (timed: alone on the cores)
-    batch = settings.batch
     admission = Admission(
         pool,
         batch.batch_size,
@@ -411,13 +420,7 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
         watermark_blocks=int(cache.kv_watermark * pool.blocks),
         prefix_cache=cache.prefix_cache,
     )
-    owner = Owner(
-        verifier_id=settings.verifier_id or address,
-        incarnation=secrets.token_hex(8),  # new at every start: see "Failures and recovery"
-        pool=served.pool,
-        model_version=served.version,
-    )
-    engine = Engine(
+    return Engine(
         runner,
         speculator,
         store,
@@ -429,6 +432,32 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
         eos_ids=eos_ids,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
+
+
+def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None):
+    tokenizer = models.load_tokenizer(path)
+    store = RequestStore.connect(settings)
+    store.wait_reachable()
+    store.ensure_queues()
+    server = grpc_server(settings)
+    address = settings.advertise_address or f"{settings.host}:{server.port}"
+    speculator = Speculator(
+        settings.speculation,
+        settings.batch,
+        model.config.vocab_size * settings.tensor_parallel,  # (a shard's is 1/N of it)
+        discover=lambda: registered_drafters(store, settings.pool),
+    )
+    flat = prepare(settings, model, ranks)
+    served = Served.of(settings, models.fingerprint(path, manifest), flat.attention)
+    metrics.MODEL.labels(served.model, served.sha256, served.version, served.pool).set(1)
+    owner = Owner(
+        verifier_id=settings.verifier_id or address,
+        incarnation=secrets.token_hex(8),  # new at every start: see "Failures and recovery"
+        pool=served.pool,
+        model_version=served.version,
+    )
+    eos_ids = eos_ids_of(model, tokenizer)
+    engine = build_engine(settings, flat, store, speculator, owner, tokenizer, eos_ids)
     # (a lost rank: the verifier exits, to restart as a group)
     engine.lifecycle.on_lost = server.fail
     grammars = Grammars(tokenizer, model.config.vocab_size * settings.tensor_parallel)
@@ -469,8 +498,8 @@ def serve(settings: VerifierSettings, path, manifest, model, ranks: Ranks | None
             "pool": served.pool,
             "config": served.config,
             "speculative_decoding": settings.speculative_decoding,
-            "kv_budget_tokens": pool.tokens,
-            "kv_block_size": pool.block_size,
+            "kv_budget_tokens": engine.admission.kv_budget,
+            "kv_block_size": engine.admission.pool.block_size,
             "drafters": settings.drafter_addresses,
             "tensor_parallel": settings.tensor_parallel,
         },
