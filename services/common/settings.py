@@ -359,11 +359,9 @@ class SchedulerSettings(ServiceSettings):
     )
 
 
-# --- the verifier's settings, by concern ---------------------------------------------------
-# VerifierSettings keeps every key flat (`verifier: {kv_block_size: 16}`,
-# SPECSERVE_VERIFIER_KV_BLOCK_SIZE): the flat fields are what is loaded and validated. Each
-# concern is also a typed, frozen view (`settings.cache`, `settings.batch`, ...) whose fields
-# are those keys by the same names; the engine and its parts take the views they need.
+# --- the verifier's settings, by concern (VerifierSettings' views) ---------------------------
+SpeculationPolicy = Literal["adaptive", "fixed"]
+FallbackMode = Literal["plain", "ngram"]
 
 
 @dataclass(frozen=True)
@@ -397,10 +395,10 @@ class SpeculationSettings:
     discover_drafters: bool
     verification_tree_size: int
     deep_tree_size: int
-    speculation_policy: str
+    speculation_policy: SpeculationPolicy
     draft_timeout_seconds: float
     forced_drafts: bool
-    fallback_mode: str
+    fallback_mode: FallbackMode
     breaker_failures: int
     breaker_cooldown_seconds: float
 
@@ -423,6 +421,12 @@ class ParallelSettings:
 
 
 class VerifierSettings(ServiceSettings):
+    """The verifier's keys, flat as the YAML file and the environment name them
+    (`verifier: {kv_block_size: 16}`, SPECSERVE_VERIFIER_KV_BLOCK_SIZE): they are what is
+    loaded and validated. Each concern is also a typed, frozen view of them (`batch`,
+    `cache`, `speculation`, `stream`, `parallel`), its fields the keys by the same names; the
+    engine and its parts take the views they need."""
+
     section: ClassVar[str] = "verifier"
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_VERIFIER_", extra="forbid")
 
@@ -443,7 +447,7 @@ class VerifierSettings(ServiceSettings):
         description="A decode step running longer than this reports NOT_SERVING (wedged).",
     )
 
-    # --- the model and what runs it (flat) ------------------------------------------------
+    # --- the model and what runs it (flat) --------------------------------------------------
     model: ModelRef = ModelRef()
     device: Device = "cpu"
     dtype: Dtype = Field(default="float32", description=DTYPE_HELP)
@@ -529,7 +533,7 @@ class VerifierSettings(ServiceSettings):
         "match: no draft pass), so copying sequences draft deep; adaptive: within it, as far "
         "as the nodes pay for their verification.",
     )
-    speculation_policy: Literal["adaptive", "fixed"] = Field(
+    speculation_policy: SpeculationPolicy = Field(
         default="adaptive",
         description="adaptive: tree size per step from a cost model (down to 0); "
         "fixed: verification_tree_size.",
@@ -542,7 +546,7 @@ class VerifierSettings(ServiceSettings):
         description="Where a request's grammar forces the next tokens, draft them (free, "
         "accepted whole) instead of the drafter's tree.",
     )
-    fallback_mode: Literal["plain", "ngram"] = Field(
+    fallback_mode: FallbackMode = Field(
         default="plain", description="How a step is drafted when the drafter is unavailable."
     )
     breaker_failures: int = Field(
