@@ -31,6 +31,9 @@ class GatewayError(Exception):
     """A refusal or failure for the client: its `code`, a `message` for people (fields named
     as `field: why`), and, for a quota, how long to wait before a retry (milliseconds)."""
 
-    def __init__(self, code: Code, message: str, retry_after_ms: int | None = None):
+    def __init__(
+        self, code: Code, message: str, retry_after_ms: int | None = None, retryable: bool = True
+    ):
         super().__init__(message)
         self.code, self.message, self.retry_after_ms = code, message, retry_after_ms
+        self.retryable = retryable  # False: the same request can never succeed; do not resend

@@ -40,7 +40,10 @@ class AuthError(Exception):
 
 
 class QuotaExceeded(Exception):
-    def __init__(self, message: str, retry_after_ms: int):
+    """A key's limit is reached: retry after `retry_after_ms`; None: the request can never
+    pass this key's limits as it stands (it asks for more than a whole minute's tokens)."""
+
+    def __init__(self, message: str, retry_after_ms: int | None):
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
 
@@ -189,7 +192,7 @@ class KeyStore:
             raise QuotaExceeded(
                 f"the request needs {tokens} tokens (prompt + max_tokens), more than this key's "
                 f"{limits.tokens_per_minute} tokens per minute; lower max_tokens",
-                retry_after_ms=0,
+                retry_after_ms=None,
             )
         code, retry_ms = self.store.quota_take_tokens(
             who.key_id, limits.requests_per_minute, limits.tokens_per_minute, tokens

@@ -73,7 +73,10 @@ class ApiError(Exception):
     @classmethod
     def of(cls, error: GatewayError) -> ApiError:
         """The core's typed error as the OpenAI API's."""
-        return cls.from_status(error.code, error.message, error.retry_after_ms)
+        api = cls.from_status(error.code, error.message, error.retry_after_ms)
+        if not error.retryable:
+            api.headers["x-should-retry"] = "false"
+        return api
 
     @classmethod
     def from_status(

@@ -92,11 +92,16 @@ class Quotas:
         call.prompt_tokens, call.max_tokens = prompt_tokens, max_tokens
 
     async def _take(self, take, *args, **kwargs) -> None:
-        """A quota's `take`, off the loop: RESOURCE_EXHAUSTED (with when to retry) if used up."""
+        """A quota's `take`, off the loop: RESOURCE_EXHAUSTED, with when to retry if used up, or
+        as not to be retried if the request could never pass (it asks for more than a minute's
+        tokens)."""
         try:
             await self._io(take, *args, **kwargs)
         except QuotaExceeded as e:
-            raise GatewayError(Code.RESOURCE_EXHAUSTED, str(e), e.retry_after_ms) from None
+            retry = e.retry_after_ms is not None
+            raise GatewayError(
+                Code.RESOURCE_EXHAUSTED, str(e), e.retry_after_ms, retryable=retry
+            ) from None
         except REDIS_ERRORS:
             raise GatewayError(Code.UNAVAILABLE, "quotas are unavailable; retry shortly") from None
 

@@ -202,13 +202,6 @@ def test_a_request_larger_than_its_keys_whole_token_rate_is_refused_saying_to_lo
     run(work)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="quotas.charge answers a request that needs more tokens than its key's whole "
-    "tokens_per_minute with RESOURCE_EXHAUSTED and retry_after_ms=0 (keys.take_tokens): HTTP "
-    "429 without x-should-retry, so the openai client sends it again at once, each time "
-    "taking another request of the key's rate and tokenizing it, though it can never pass",
-)
 def test_a_request_that_can_never_fit_its_keys_token_rate_is_not_answered_as_one_to_retry(
     redis_store,
 ):
