@@ -193,10 +193,10 @@ class Gateway:
         call.public_id, call.resumed = request.request_id, True
         call.rid = call.who.scoped(request.request_id)
         record = await self._record(call.rid, call.public_id)
-        call.prompt_tokens = len(record.spec.get("prompt_ids", []))
+        call.prompt_tokens = len(record.request.prompt_ids)
         call.priority = record.queue
         await self.quotas.open_stream(call, new_request=False)
-        return self.streams.stream(call, list(record.spec.get("stop", [])), start)
+        return self.streams.stream(call, list(record.request.stop), start)
 
     async def _record(self, rid: str, public_id: str):
         """The request's record; NOT_FOUND if it does not exist for this caller (another

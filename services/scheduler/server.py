@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import socket
 import threading
@@ -12,7 +11,6 @@ from collections import Counter, deque
 
 import grpc
 import redis
-from google.protobuf import json_format
 
 from ..common import telemetry
 from ..common.capacity import kv_fit_problem
@@ -20,7 +18,14 @@ from ..common.grpc_server import Server, retrying_channel
 from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
 from ..common.pools import POOLS, choose_pool
 from ..common.settings import SchedulerSettings
-from ..store import QUEUE_CLASSES, STORED_BYTES_PER_TOKEN, RequestRecord, RequestStore, now_ms
+from ..store import (
+    QUEUE_CLASSES,
+    STORED_BYTES_PER_TOKEN,
+    RequestRecord,
+    RequestStore,
+    now_ms,
+    spec_json,
+)
 from ..v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from . import metrics
 from .placement import (
@@ -127,12 +132,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "request_id, prompt_ids and max_tokens >= 1 are required",
             )
-        spec = json_format.MessageToDict(request, preserving_proto_field_name=True)
         try:
             if not self.store.exists(request.request_id):  # (a retry is never refused here)
                 self._check_room(request, context, cls)
             code, waiting = self.store.create(
-                request.request_id, spec, cls, self.limits[cls], fingerprint(request)
+                request.request_id, request, cls, self.limits[cls], fingerprint(request)
             )
         except redis.exceptions.OutOfMemoryError:
             self._refuse_full(context, cls, "Redis is out of memory")
@@ -158,7 +162,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         if code == 0:
             metrics.SUBMITTED.labels(cls).inc()
             if request.tenant:
-                self._count_stored(request, spec)
+                self._count_stored(request)
         log.info(
             "submitted",
             extra={
@@ -184,10 +188,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 f"of Redis, past its cap of {cap}",
             )
 
-    def _count_stored(self, request, spec: dict) -> None:
+    def _count_stored(self, request) -> None:
         """Adds what a request it created stores to its tenant's count (best effort: a
         request is never refused for its count)."""
-        nbytes = len(json.dumps(spec)) + STORED_BYTES_PER_TOKEN * request.max_tokens
+        nbytes = len(spec_json(request)) + STORED_BYTES_PER_TOKEN * request.max_tokens
         try:
             self.store.add_stored_bytes(request.tenant, nbytes)
         except REDIS_ERRORS as e:
@@ -213,7 +217,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 return scheduler_pb2.SchedulerServiceCancelResponse(cancelled=False)
             state, owner = self.store.cancel(
                 request.request_id,
-                ended_final("FINISH_REASON_CANCELLED", len(rec.spec.get("prompt_ids", []))),
+                ended_final("FINISH_REASON_CANCELLED", len(rec.request.prompt_ids)),
             )
         except REDIS_ERRORS as e:  # (Cancel is idempotent: the caller retries)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"request state is unavailable ({e})")
@@ -406,7 +410,7 @@ class Placer:
                 if rec is None or rec.status != "queued":
                     self.waiting[cls].remove(entry)  # cancelled or expired meanwhile
                     continue
-                tenant = self.tenant_of.setdefault(entry[1], rec.spec.get("tenant", ""))
+                tenant = self.tenant_of.setdefault(entry[1], rec.request.tenant)
                 if not tenant or under_cap(tenant, self._slots_held(loads), cap):
                     return entry, rec
             room = FAIR_WINDOW - len(self.waiting[cls])
@@ -432,19 +436,19 @@ class Placer:
         fits on no verifier now."""
         while (found := self._next(cls, loads)) is not None:
             head, rec = found
-            spec = rec.spec
-            deadline = int(spec.get("deadline_unix_ms", 0))
+            req = rec.request
+            deadline = req.deadline_unix_ms
             if deadline and deadline <= now_ms():
                 self._expire(rec.request_id, cls, "the deadline passed while it was queued")
                 continue
-            session = spec.get("session_id", "")
+            session = req.session_id
             want = Want(
                 cls,
-                len(spec["prompt_ids"]),
-                int(spec["max_tokens"]),
+                len(req.prompt_ids),
+                req.max_tokens,
                 self.store.session_owner(session) if session else None,
-                prompt_ids=spec["prompt_ids"],
-                prefix_scope=spec.get("prefix_scope", ""),  # (the gateway's choice)
+                prompt_ids=list(req.prompt_ids),
+                prefix_scope=req.prefix_scope,  # (the gateway's choice)
             )
             self._pin(want, rec, {v.pool for v in loads})
             eligible = want.eligible(loads)
@@ -454,7 +458,7 @@ class Placer:
                     parked = (cls, head, want.version, time.monotonic())
                     self.parked.setdefault(rec.request_id, parked)  # (or parked before)
                     continue
-                if spec.get("pool"):
+                if req.pool:
                     self._end(rec, cls, f"no live verifier in the {want.pool} pool")
                     continue
                 return False  # its pool (by the rollout share) is down: the class waits
@@ -463,7 +467,7 @@ class Placer:
                 continue
             result = None
             candidates = eligible
-            trace_ctx = telemetry.from_traceparent(spec.get("traceparent", ""))
+            trace_ctx = telemetry.from_traceparent(req.traceparent)
             while result is None:
                 target = choose_verifier(candidates, want)
                 if target is None:
@@ -480,7 +484,7 @@ class Placer:
                 queued.end()
                 metrics.PREFIX_PLACED.inc(target.cached_blocks(want) > 0)
                 target.take(want)
-                if self.held is not None and (tenant := spec.get("tenant", "")):
+                if self.held is not None and (tenant := req.tenant):
                     self.held[tenant] += 1
                 metrics.PLACED.labels(cls, target.pool).inc()
                 metrics.QUEUE_WAIT.labels(cls).observe(max(0, now_ms() - rec.created_ms) / 1e3)
@@ -494,8 +498,8 @@ class Placer:
         its id falls in."""
         if rec.generated and rec.version:
             want.version = rec.version
-        elif rec.spec.get("pool"):
-            want.pool = rec.spec["pool"]
+        elif rec.request.pool:
+            want.pool = rec.request.pool
         else:
             if self.canary_share is None:
                 self.canary_share = self.store.rollout()["canary_share"]
@@ -514,7 +518,7 @@ class Placer:
                 if rec is None or rec.status != "queued":
                     self.waiting[cls].remove(entry)  # ended (behind a capped tenant's)
                     continue
-                deadline = int(rec.spec.get("deadline_unix_ms", 0))
+                deadline = rec.request.deadline_unix_ms
                 if deadline and deadline <= now:
                     self._expire(entry[1], cls, "the deadline passed while it was queued")
         keep = self.running_ids | {rid for cls in QUEUE_CLASSES for _, rid in self.waiting[cls]}
@@ -524,7 +528,7 @@ class Placer:
         rec = self.store.get(rid)
         if rec is None or rec.status != "queued":
             return
-        prompt_tokens = len(rec.spec.get("prompt_ids", []))
+        prompt_tokens = len(rec.request.prompt_ids)
         final = ended_final("FINISH_REASON_DEADLINE", prompt_tokens, why, rec.generated)
         if self.store.end_queued(rid, final, "expired"):
             metrics.EXPIRED.labels(cls).inc()
@@ -534,8 +538,8 @@ class Placer:
         """Ends a request no live verifier's KV budget can ever hold."""
         largest = max(loads, key=lambda v: v.kv_budget)
         why = kv_fit_problem(
-            len(rec.spec["prompt_ids"]),
-            int(rec.spec["max_tokens"]),
+            len(rec.request.prompt_ids),
+            rec.request.max_tokens,
             largest.kv_budget,
             largest.max_seq_len,
             largest.block_size,
@@ -544,7 +548,7 @@ class Placer:
 
     def _end(self, rec, cls: str, why: str) -> None:
         """Ends a queued request that cannot run, with the reason."""
-        prompt_tokens = len(rec.spec["prompt_ids"])
+        prompt_tokens = len(rec.request.prompt_ids)
         final = ended_final("FINISH_REASON_ERROR", prompt_tokens, why, rec.generated)
         if self.store.end_queued(rec.request_id, final, "failed"):
             log.warning("failed", extra={"request_id": rec.request_id, "class": cls, "why": why})

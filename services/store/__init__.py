@@ -25,7 +25,7 @@ from .connection import Connection, NotReplicated
 from .outputs import Outputs
 from .queues import Queues
 from .registry import Registry, heartbeat_forever
-from .requests import Claim, RequestLifecycle, RequestRecord, StepState
+from .requests import Claim, RequestLifecycle, RequestRecord, StepState, spec_json
 from .results import STORED_BYTES_PER_TOKEN, Results
 from .schema import (
     AUDIT_STREAM,
@@ -86,6 +86,7 @@ __all__ = [
     "NotReplicated",
     "QuotaCode",
     "RequestRecord",
+    "spec_json",
     "RequestStore",
     "StepState",
     "heartbeat_forever",

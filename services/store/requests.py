@@ -31,9 +31,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import cached_property
 from typing import Any
 
+from google.protobuf import json_format
+
 from ..common.outage import REDIS_ERRORS
+from ..v1 import scheduler_pb2
 from . import scripts
 from .connection import Connection
 from .schema import GROUP, now_ms
@@ -52,7 +56,9 @@ class StepState(IntEnum):
 
 @dataclass
 class RequestRecord:
-    """What Redis holds about one request (decoded)."""
+    """What Redis holds about one request (decoded). Its `spec` is the `SubmitRequest` in the
+    proto's JSON mapping (proto field names; readable with redis-cli, and a field one version
+    adds is skipped by a version that does not know it); `request` is that message, typed."""
 
     request_id: str
     spec: dict[str, Any]  # SubmitRequest as a JSON dict (proto field names)
@@ -68,6 +74,13 @@ class RequestRecord:
     version: str = ""  # model version of the verifier that claimed it last
     pool: str = ""
     incarnation: str = ""  # of the owner, when running
+
+    @cached_property
+    def request(self) -> scheduler_pb2.SubmitRequest:
+        """The request as it was submitted, typed: what every service reads it as."""
+        return json_format.ParseDict(
+            self.spec, scheduler_pb2.SubmitRequest(), ignore_unknown_fields=True
+        )
 
 
 @dataclass(frozen=True)
@@ -100,9 +113,16 @@ class RequestLifecycle(Connection):
 
     # --- the scheduler's side -------------------------------------------------------------
     def create(
-        self, rid: str, spec: dict[str, Any], cls: str, limit: int, fingerprint: str = ""
+        self,
+        rid: str,
+        spec: scheduler_pb2.SubmitRequest | dict[str, Any],
+        cls: str,
+        limit: int,
+        fingerprint: str = "",
     ) -> tuple[int, int]:
-        """Persists and queues a request. Returns (code, waiting): 0 created, 1 existed (with
+        """Persists and queues a request (a `SubmitRequest`, stored in the proto's JSON
+        mapping: `spec_json`; or that mapping already made). Returns (code, waiting): 0
+        created, 1 existed (with
         the same `fingerprint`, what the request asks, or one not known: ""), 2 full, 3 the id
         is taken by a request with another fingerprint. On Redis Cluster the limit holds per
         shard: `limit` / CLUSTER_SHARDS (rounded up)."""
@@ -113,7 +133,7 @@ class RequestLifecycle(Connection):
         code, waiting = self._durable(
             self._create,
             [at.req(rid), at.queue(cls, shard), at.queued(cls, shard)],
-            [json.dumps(spec), GROUP, limit, cls, now_ms(), rid, fingerprint],
+            [spec_json(spec), GROUP, limit, cls, now_ms(), rid, fingerprint],
         )
         return int(code), int(waiting)
 
@@ -288,3 +308,10 @@ class RequestLifecycle(Connection):
             rid: json.loads(spec).get("tenant", "") if spec else ""
             for rid, spec in zip(rids, specs, strict=True)
         }
+
+
+def spec_json(spec: scheduler_pb2.SubmitRequest | dict[str, Any]) -> str:
+    """A request as its record stores it: the proto's JSON mapping, proto field names."""
+    if isinstance(spec, scheduler_pb2.SubmitRequest):
+        spec = json_format.MessageToDict(spec, preserving_proto_field_name=True)
+    return json.dumps(spec)

@@ -6,12 +6,12 @@ import hashlib
 import json
 import logging
 import secrets
+import struct
 import threading
 from dataclasses import dataclass
 
 import grpc
 import torch
-from google.protobuf import json_format
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -46,31 +46,30 @@ def sequence_from_record(rec, restored: list[int]) -> Sequence:
     """Builds the running sequence of a request from its Redis record and the tokens it
     generated before (on a verifier that died or drained): they are prefilled with the
     prompt, and generation goes on after them."""
-    spec = rec.spec
-    sampling = spec.get("sampling", {})
-    speculation = spec.get("speculation", {})
+    req = rec.request
+    sampling, speculation = req.sampling, req.speculation
     return Sequence(
         request_id=rec.request_id,
-        prompt_ids=[int(t) for t in spec["prompt_ids"]],
-        max_tokens=int(spec["max_tokens"]),
+        prompt_ids=list(req.prompt_ids),
+        max_tokens=req.max_tokens,
         params=SamplingParams(
-            temperature=float(sampling.get("temperature", 0.0)),
-            top_p=float(sampling.get("top_p", 0.0)),
-            top_k=int(sampling.get("top_k", 0)),
-            seed=int(sampling["seed"]) if "seed" in sampling else None,
+            temperature=as_written(sampling.temperature),
+            top_p=as_written(sampling.top_p),
+            top_k=sampling.top_k,
+            seed=sampling.seed if sampling.HasField("seed") else None,
         ),
-        stop=list(spec.get("stop", [])),
-        speculate=speculation.get("mode") != "SPECULATION_MODE_OFF",
-        tree_size=int(speculation["tree_size"]) if "tree_size" in speculation else None,
-        session_id=spec.get("session_id", ""),
-        tenant=spec.get("tenant", ""),
-        prefix_scope=spec.get("prefix_scope", ""),  # (the gateway's choice)
-        deadline_ms=int(spec.get("deadline_unix_ms", 0)),
+        stop=list(req.stop),
+        speculate=speculation.mode != common_pb2.SPECULATION_MODE_OFF,
+        tree_size=speculation.tree_size if speculation.HasField("tree_size") else None,
+        session_id=req.session_id,
+        tenant=req.tenant,
+        prefix_scope=req.prefix_scope,  # (the gateway's choice)
+        deadline_ms=req.deadline_unix_ms,
         output_ids=list(restored),
-        logprobs=bool(spec.get("logprobs")),
-        top_logprobs=int(spec.get("top_logprobs", 0)),
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs,
         # (the restored tokens' entries are in the output stream already: never written again)
-        output_logprobs=[logprob_format.UNKNOWN] * len(restored) if spec.get("logprobs") else [],
+        output_logprobs=[logprob_format.UNKNOWN] * len(restored) if req.logprobs else [],
         num_emitted=len(restored),
         restored=len(restored),
         queue=rec.queue,
@@ -80,13 +79,23 @@ def sequence_from_record(rec, restored: list[int]) -> Sequence:
     )
 
 
-def constrain(seq: Sequence, spec: dict, grammars: Grammars, eos_ids: set[int]) -> None:
+def as_written(value: float) -> float:
+    """A proto float (32 bits) as the client wrote it (0.7, not 0.699999988...): the
+    shortest decimal that is the same 32-bit float, as the proto's JSON mapping writes it."""
+    for digits in range(1, 10):
+        short = float(f"{value:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", short))[0] == value:
+            return short
+    return value
+
+
+def constrain(seq: Sequence, request, grammars: Grammars, eos_ids: set[int]) -> None:
     """Gives a sequence its grammar's matcher, past the tokens it already has; one that
     cannot be built (the gateway compiled it: a version apart?) ends the request with why."""
-    if not spec.get("grammar"):
+    if request.grammar.ByteSize() == 0:  # none (or an empty one: none asked)
         return
     try:
-        text = grammar.source(json_format.ParseDict(spec["grammar"], common_pb2.Grammar()))
+        text = grammar.source(request.grammar)
         seq.constraint = Constraint(grammars.matcher(text), grammars.vocab_size, eos_ids)
         seq.grammar = text
         for token in seq.output_ids:
@@ -179,7 +188,7 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
         if rec is None or rec.status != "queued":
             return pb.AdmitResponse(admitted=False, reason="the request is not queued")
         seq = sequence_from_record(rec, self.store.progress(rid) if rec.generated else [])
-        constrain(seq, rec.spec, self.grammars, self.engine.eos_ids)
+        constrain(seq, rec.request, self.grammars, self.engine.eos_ids)
         try:
             grant = admission.admit(rid, seq.queue, seq.all_ids, seq.prefix_scope)
         except Refused as e:
