@@ -332,11 +332,11 @@ def served_version(
     dtype the weights run in and the kind of device (its kernels round differently; cuda:0
     and cuda:1 are both `cuda`), e.g.
     `qwen2.5-coder-1.5b-instruct@0.2.0:cc324af070c2:bfloat16:cpu`. Equal strings mean
-    identical greedy outputs (in float32; see docs/design/engine.md on bfloat16). int4 on a CPU where the
-    engine's kernel does not run (engine/quant.py: int4_layout) is `int4-torch`: torch's
-    kernel rounds differently. A CPU running torch's padded attention where the engine's
-    paged kernel applies (float32 activations: verifier.attention, or the kernels not built)
-    is `cpu-padded`."""
+    identical greedy outputs (in float32; see docs/design/engine.md on bfloat16). int4 on a
+    CPU where the engine's kernel does not run (engine/quant.py: int4_layout) is
+    `int4-torch`: torch's kernel rounds differently. A CPU running torch's padded attention
+    where the engine's paged kernel applies (float32 activations: verifier.attention, or the
+    kernels not built) is `cpu-padded`."""
     name = Path(ref.path).name if ref.path else f"{ref.name}@{ref.version}"
     kind = device.partition(":")[0]
     if kind == "cpu" and attention == "padded" and dtype in ("float32", "int8", "int4"):

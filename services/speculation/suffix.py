@@ -18,8 +18,8 @@ a lookup compares the latest `max_candidates` of them backwards with the history
 costs at most max_candidates x max_match comparisons and budget x max_candidates to grow,
 however long or repetitive the text. The shared outputs are bounded in tokens per tenant and
 in tenants (the oldest tokens and the least recently used tenant go first); an index holds
-about 250 bytes a token (`tests/unit/speculation/test_suffix.py` measures it), and between compactions up to
-twice its bound.
+about 250 bytes a token (`tests/unit/speculation/test_suffix.py` measures it), and between
+compactions up to twice its bound.
 
 Sampling requests match their own history only, so that a seeded request's output (which
 depends on its trees) does not depend on other requests.

@@ -38,10 +38,10 @@ from ..speculation.tree import DraftTree
 from ..store import RequestStore, StepState
 from . import logprobs, metrics, preemption, stages
 from .admission import Admission, Grant
-from .batch import Batch
 from .constraint import GrammarViolation, StepGrammar
 from .lifecycle import Lifecycle
 from .runner import ModelRunner, describe
+from .running import RunningBatch
 from .sequence import Committed, Sequence
 from .speculator import Speculator
 from .step_plan import StepPlan, plan_step
@@ -83,7 +83,7 @@ class Engine:
         self.pause_timeout_seconds = stream.pause_timeout_seconds
         self.eos_ids = eos_ids
         self.decode = decode
-        self.batch = Batch()
+        self.batch = RunningBatch()
         self.running = self.batch.running  # (the batch's: read here, changed through it)
         self.writes = StepWrites(store, owner, stream, self.running)
         self.lifecycle = Lifecycle(self)

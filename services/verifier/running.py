@@ -14,7 +14,7 @@ import threading
 from .sequence import Sequence
 
 
-class Batch:
+class RunningBatch:
     def __init__(self):
         self.running: dict[str, Sequence] = {}  # by request id; the loop's thread changes it
         self._joining: queue.Queue[Sequence] = queue.Queue()
