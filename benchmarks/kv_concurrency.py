@@ -49,9 +49,10 @@ from specserve.speculation.tree import DraftTree
 from specserve.store import RequestStore
 from specserve.tools.local_cluster import free_port
 from specserve.verifier.admission import Admission, Refused
-from specserve.verifier.engine import Engine
+from specserve.verifier.engine import Engine, engine_settings
 from specserve.verifier.runner import ModelRunner
 from specserve.verifier.sequence import Sequence
+from specserve.verifier.writes import Owner
 
 VID = "bench-verifier"
 
@@ -115,11 +116,12 @@ def simulate(flat: FlatModel, store: RequestStore, requests: list[Request], rule
         NoDrafts(),
         store,
         admission,
-        max_seq_len=args.max_seq_len,
-        max_prefill_tokens=512,
+        **engine_settings(
+            max_seq_len=args.max_seq_len, max_prefill_tokens=512, max_unread_tokens=0
+        ),  # (no client reads here: nothing pauses)
+        owner=Owner(verifier_id=VID),
         eos_ids=set(),
         decode=lambda ids: "",
-        verifier_id=VID,
     )
     waiting = deque(requests)
     worst: dict[str, int] = {}

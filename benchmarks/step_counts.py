@@ -188,9 +188,10 @@ def count_step(
     from specserve.speculation.sampling import SamplingParams
     from specserve.store import RequestStore
     from specserve.verifier.admission import Admission
-    from specserve.verifier.engine import Engine
+    from specserve.verifier.engine import Engine, engine_settings
     from specserve.verifier.runner import ModelRunner
     from specserve.verifier.sequence import Sequence
+    from specserve.verifier.writes import Owner
 
     store = RequestStore.from_url(redis_url)
     store.r.flushdb()
@@ -203,12 +204,15 @@ def count_step(
         FixedTrees(nodes, vocab),
         store,
         Admission(pool, batch_size=batch, interactive_reserved_slots=0),
-        max_seq_len=context + 1024,
-        max_prefill_tokens=4096,
+        **engine_settings(
+            max_seq_len=context + 1024,
+            max_prefill_tokens=4096,
+            async_step_writes=True,  # (as the verifier runs by default: a step's write travels)
+            max_unread_tokens=0,  # (no client reads here: nothing pauses)
+        ),
+        owner=Owner(verifier_id="counted"),
         eos_ids=set(),
         decode=lambda ids: "",
-        verifier_id="counted",
-        async_writes=True,  # (as the verifier runs by default: a step's write travels)
     )
     params = SamplingParams(temperature=0.8, seed=1) if sampled else SamplingParams()
     for i in range(batch):

@@ -38,8 +38,9 @@ from specserve.engine.flat_model import FlatModel
 from specserve.store import RequestStore
 from specserve.tools.local_cluster import free_port
 from specserve.verifier.admission import Admission
-from specserve.verifier.engine import Engine
+from specserve.verifier.engine import Engine, engine_settings
 from specserve.verifier.runner import ModelRunner
+from specserve.verifier.writes import Owner
 
 
 class TimedStore(RequestStore):
@@ -65,12 +66,15 @@ def run(flat: FlatModel, store: TimedStore, args, async_writes: bool, rep: int) 
         NoDrafts(),
         store,
         admission,
-        max_seq_len=4096,
-        max_prefill_tokens=4096,
+        **engine_settings(
+            max_seq_len=4096,
+            max_prefill_tokens=4096,
+            async_step_writes=async_writes,
+            max_unread_tokens=0,  # (no client reads here: nothing pauses)
+        ),
+        owner=Owner(verifier_id=VID),
         eos_ids=set(),
         decode=lambda ids: "",
-        verifier_id=VID,
-        async_writes=async_writes,
     )
     for i in range(args.requests):
         rid = f"{'async' if async_writes else 'sync'}-{rep}-{i}"

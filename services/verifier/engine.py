@@ -30,7 +30,12 @@ from collections.abc import Callable
 import torch
 
 from ..common.outage import REDIS_ERRORS, REDIS_UNREACHABLE, OutageLog
-from ..common.settings import BatchSettings, SpeculationSettings, StreamSettings
+from ..common.settings import (
+    BatchSettings,
+    SpeculationSettings,
+    StreamSettings,
+    VerifierSettings,
+)
 from ..engine.tensor_parallel import ShardsLost
 from ..speculation.acceptance import Candidates, NonFinite, Verdict, select_each
 from ..speculation.sampling import make_generator
@@ -54,6 +59,13 @@ STATUS_BY_REASON = {
     "FINISH_REASON_ERROR": "failed",
     "FINISH_REASON_DEADLINE": "expired",
 }
+
+
+def engine_settings(**keys) -> dict:
+    """The settings groups an `Engine` takes (`Engine(..., **engine_settings(...))`), from
+    verifier keys, the rest at their defaults: for an engine built outside the service."""
+    settings = VerifierSettings(**keys)
+    return {"batch": settings.batch, "stream": settings.stream, "speculation": settings.speculation}
 
 
 class Engine:
