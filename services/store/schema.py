@@ -68,10 +68,11 @@ KEYS = (
         "finish), scheduler and verifier (requeue), gateway (`read`)",
         ttl=ENDS,
         module="requests",
-        holds="spec (JSON), status, queue, entry_id, owner, incarnation (of the owner), "
-        "cancel, generated, created_ms, admitted_ms, requeues, final (JSON), version and pool "
-        "(of the verifier that claimed it last), fingerprint, submits, finishes, read (tokens "
-        "the gateway has sent its client; absent: nobody streams it through a gateway)",
+        holds="spec (the SubmitRequest, in the proto's JSON mapping), status, queue, "
+        "entry_id, owner, incarnation (of the owner), cancel, generated, created_ms, "
+        "admitted_ms, requeues, final (JSON), version and pool (of the verifier that claimed "
+        "it last), fingerprint, submits, finishes, read (tokens the gateway has sent its "
+        "client; absent: nobody streams it through a gateway)",
         tag="shard",
     ),
     Key(
