@@ -117,8 +117,11 @@ def simulate(flat: FlatModel, store: RequestStore, requests: list[Request], rule
         store,
         admission,
         **engine_settings(
-            max_seq_len=args.max_seq_len, max_prefill_tokens=512, max_unread_tokens=0
-        ),  # (no client reads here: nothing pauses)
+            max_seq_len=args.max_seq_len,
+            max_prefill_tokens=512,
+            async_step_writes=False,  # (a sequence leaves, and frees its blocks, at its step)
+            max_unread_tokens=0,  # (no client reads here: nothing pauses)
+        ),
         owner=Owner(verifier_id=VID),
         eos_ids=set(),
         decode=lambda ids: "",

@@ -132,11 +132,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "request_id, prompt_ids and max_tokens >= 1 are required",
             )
+        spec = spec_json(request)  # (as the store keeps it)
         try:
             if not self.store.exists(request.request_id):  # (a retry is never refused here)
                 self._check_room(request, context, cls)
             code, waiting = self.store.create(
-                request.request_id, request, cls, self.limits[cls], fingerprint(request)
+                request.request_id, spec, cls, self.limits[cls], fingerprint(request)
             )
         except redis.exceptions.OutOfMemoryError:
             self._refuse_full(context, cls, "Redis is out of memory")
@@ -162,7 +163,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         if code == 0:
             metrics.SUBMITTED.labels(cls).inc()
             if request.tenant:
-                self._count_stored(request)
+                self._count_stored(request, len(spec))
         log.info(
             "submitted",
             extra={
@@ -188,10 +189,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 f"of Redis, past its cap of {cap}",
             )
 
-    def _count_stored(self, request) -> None:
+    def _count_stored(self, request, spec_bytes: int) -> None:
         """Adds what a request it created stores to its tenant's count (best effort: a
         request is never refused for its count)."""
-        nbytes = len(spec_json(request)) + STORED_BYTES_PER_TOKEN * request.max_tokens
+        nbytes = spec_bytes + STORED_BYTES_PER_TOKEN * request.max_tokens
         try:
             self.store.add_stored_bytes(request.tenant, nbytes)
         except REDIS_ERRORS as e:

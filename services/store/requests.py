@@ -77,10 +77,15 @@ class RequestRecord:
 
     @cached_property
     def request(self) -> scheduler_pb2.SubmitRequest:
-        """The request as it was submitted, typed: what every service reads it as."""
-        return json_format.ParseDict(
-            self.spec, scheduler_pb2.SubmitRequest(), ignore_unknown_fields=True
+        """The request as it was submitted, typed: what every service reads it as. (The
+        prompt's ids are added apart: json_format parses a field's values one by one in
+        Python, 15 ms for a 16k-token prompt, against a fraction of a millisecond here.)"""
+        rest = {k: v for k, v in self.spec.items() if k != "prompt_ids"}
+        request = json_format.ParseDict(
+            rest, scheduler_pb2.SubmitRequest(), ignore_unknown_fields=True
         )
+        request.prompt_ids.extend(int(t) for t in self.spec.get("prompt_ids", ()))
+        return request
 
 
 @dataclass(frozen=True)
@@ -115,16 +120,15 @@ class RequestLifecycle(Connection):
     def create(
         self,
         rid: str,
-        spec: scheduler_pb2.SubmitRequest | dict[str, Any],
+        spec: scheduler_pb2.SubmitRequest | dict[str, Any] | str,
         cls: str,
         limit: int,
         fingerprint: str = "",
     ) -> tuple[int, int]:
-        """Persists and queues a request (a `SubmitRequest`, stored in the proto's JSON
-        mapping: `spec_json`; or that mapping already made). Returns (code, waiting): 0
-        created, 1 existed (with
-        the same `fingerprint`, what the request asks, or one not known: ""), 2 full, 3 the id
-        is taken by a request with another fingerprint. On Redis Cluster the limit holds per
+        """Persists and queues a request (a `SubmitRequest`, kept in the proto's JSON
+        mapping: `spec_json`). Returns (code, waiting): 0 created, 1 existed (with the same
+        `fingerprint`, what the request asks, or one not known: ""), 2 full, 3 the id is
+        taken by a request with another fingerprint. On Redis Cluster the limit holds per
         shard: `limit` / CLUSTER_SHARDS (rounded up)."""
         at = self.layout
         shard = at.shard_of(rid)
@@ -310,8 +314,11 @@ class RequestLifecycle(Connection):
         }
 
 
-def spec_json(spec: scheduler_pb2.SubmitRequest | dict[str, Any]) -> str:
-    """A request as its record stores it: the proto's JSON mapping, proto field names."""
+def spec_json(spec: scheduler_pb2.SubmitRequest | dict[str, Any] | str) -> str:
+    """A request as its record stores it: the proto's JSON mapping, proto field names (a
+    string is taken as that already)."""
+    if isinstance(spec, str):
+        return spec
     if isinstance(spec, scheduler_pb2.SubmitRequest):
         spec = json_format.MessageToDict(spec, preserving_proto_field_name=True)
     return json.dumps(spec)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .local_cluster import LocalCluster
 
-log = logging.getLogger("specserve.tools.supervisor")
+log = logging.getLogger("specserve.supervisor")
 
 
 @dataclass(frozen=True)

@@ -89,11 +89,15 @@ def as_written(value: float) -> float:
     return value
 
 
-def constrain(seq: Sequence, request, grammars: Grammars, eos_ids: set[int]) -> None:
+def constrain(seq: Sequence, rec, grammars: Grammars, eos_ids: set[int]) -> None:
     """Gives a sequence its grammar's matcher, past the tokens it already has; one that
     cannot be built (the gateway compiled it: a version apart?) ends the request with why."""
-    if request.grammar.ByteSize() == 0:  # none (or an empty one: none asked)
-        return
+    request = rec.request
+    if request.grammar.WhichOneof("kind") is None:
+        if rec.spec.get("grammar"):  # a kind this version does not know: never run unbound
+            seq.finish_reason = "FINISH_REASON_ERROR"
+            seq.error = "grammar: of a kind this verifier does not know (a newer gateway's?)"
+        return  # (none, or an empty one: none asked)
     try:
         text = grammar.source(request.grammar)
         seq.constraint = Constraint(grammars.matcher(text), grammars.vocab_size, eos_ids)
@@ -188,7 +192,7 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
         if rec is None or rec.status != "queued":
             return pb.AdmitResponse(admitted=False, reason="the request is not queued")
         seq = sequence_from_record(rec, self.store.progress(rid) if rec.generated else [])
-        constrain(seq, rec.request, self.grammars, self.engine.eos_ids)
+        constrain(seq, rec, self.grammars, self.engine.eos_ids)
         try:
             grant = admission.admit(rid, seq.queue, seq.all_ids, seq.prefix_scope)
         except Refused as e:
