@@ -18,9 +18,6 @@ each a module that says what it owns:
     ownership.py   the rule that finds orphans (requests no live verifier runs)
 """
 
-import redis
-from redis.cluster import RedisCluster
-
 from .connection import Connection, NotReplicated
 from .outputs import Outputs
 from .queues import Queues
@@ -53,20 +50,8 @@ from .tenants import QuotaCode, Tenants
 class RequestStore(RequestLifecycle, Outputs, Queues, Registry, Results, Tenants):
     """Redis as the services share it: `RequestStore.connect(settings)`, or
     `RequestStore(client)` over a client of one Redis or a Redis Cluster. Each base is one
-    concern (see the package docstring); they share the connection, and a request's end
-    asks results.py how long to keep it."""
-
-    def __init__(
-        self,
-        client: redis.Redis | RedisCluster,
-        probe: redis.Redis | RedisCluster | None = None,
-        wait_replicas: int = 0,
-        wait_timeout_ms: int = 1000,
-    ):
-        """`probe` answers health checks (one try, short timeouts; `client` if None); with
-        `wait_replicas`, a request's creation and end are acknowledged once that many
-        replicas hold them (see Connection.from_url)."""
-        super().__init__(client, probe, wait_replicas, wait_timeout_ms)
+    concern (see the package docstring); they share the connection (its arguments:
+    `Connection`), and a request's end asks results.py how long to keep it."""
 
 
 __all__ = [
@@ -86,7 +71,6 @@ __all__ = [
     "NotReplicated",
     "QuotaCode",
     "RequestRecord",
-    "spec_json",
     "RequestStore",
     "StepState",
     "heartbeat_forever",
@@ -98,4 +82,5 @@ __all__ = [
     "req_key",
     "result_key",
     "session_key",
+    "spec_json",
 ]

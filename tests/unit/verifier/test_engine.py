@@ -18,7 +18,6 @@ import torch
 
 from conftest import DEVICE
 from helpers import make_sequence, wait_until
-from specserve.common.settings import VerifierSettings
 from specserve.engine import models
 from specserve.engine.flat_model import FlatModel
 from specserve.speculation import acceptance as acceptance_module
@@ -28,7 +27,7 @@ from specserve.speculation.sampling import SamplingParams
 from specserve.store import RequestStore
 from specserve.verifier import engine as engine_module
 from specserve.verifier.admission import Admission
-from specserve.verifier.engine import Engine
+from specserve.verifier.engine import Engine, engine_settings
 from specserve.verifier.reference import hf_greedy
 from specserve.verifier.runner import ModelRunner
 from specserve.verifier.writes import Owner
@@ -103,20 +102,17 @@ def make_engine(
 ) -> Engine:
     flat = FlatModel(model)
     pool = flat.use_pool(kv_tokens, block_size, fixed=True)
-    settings = VerifierSettings(
-        max_seq_len=2048,
-        max_prefill_tokens=512,
-        max_unread_tokens=0,
-        async_step_writes=async_writes,
-    )
     return Engine(
         ModelRunner(flat),
         speculator or NoDrafts(),
         store,
         Admission(pool, batch_size=8, interactive_reserved_slots=0),
-        batch=settings.batch,
-        stream=settings.stream,
-        speculation=settings.speculation,
+        **engine_settings(
+            max_seq_len=2048,
+            max_prefill_tokens=512,
+            max_unread_tokens=0,
+            async_step_writes=async_writes,
+        ),
         owner=Owner(verifier_id=VID),
         eos_ids=set(eos_ids),
         decode=decode or (lambda ids: ""),
