@@ -3,6 +3,7 @@ speculation on and off, at several concurrencies, decode rate and accepted lengt
 
     python -m benchmarks.spec_bench [--per-category 1] [--tokens 96] [--concurrency 1,4,16]
                                     [--dtype auto] [--workload spec_bench] [--out DIR]
+                                    [--set SECTION.KEY=VALUE ...]
 
 At concurrency c each category is measured under a load of its own kind: --per-category
 groups of c streams of that category's questions sent at once (first turn and system
@@ -81,15 +82,16 @@ def stream(
     }
 
 
-def cluster_config(levels: list[int], dtype: str) -> dict:
+def cluster_config(levels: list[int], dtype: str, overrides: list[str] = ()) -> dict:
     """config/specserve.yaml's verifier and drafter sections, less their ports, with `dtype`
-    and a batch for the largest concurrency."""
+    and a batch for the largest concurrency; then `overrides` ("verifier.KEY=VALUE", the
+    value read as YAML)."""
     default = yaml.safe_load(DEFAULT_CONFIG.read_text())
     verifier, drafter = (
         {k: v for k, v in default[section].items() if k not in ("port", "drafter_addresses")}
         for section in ("verifier", "drafter")
     )
-    return {
+    config = {
         "verifier": verifier
         | {
             "dtype": dtype,
@@ -102,6 +104,13 @@ def cluster_config(levels: list[int], dtype: str) -> dict:
         },
         "drafter": drafter | {"dtype": dtype},
     }
+    for override in overrides:
+        key, _, value = override.partition("=")
+        section, _, name = key.partition(".")
+        if section not in config or not name or not value:
+            raise SystemExit(f"--set {override}: expected verifier.KEY=VALUE or drafter.KEY=VALUE")
+        config[section][name] = yaml.safe_load(value)
+    return config
 
 
 def groups(rows: list[dict], levels: list[int], per_category: int) -> dict[int, list[list[dict]]]:
@@ -130,7 +139,9 @@ def run(rows: list[dict], args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     out: dict[str, dict] = {"off": {}, "on": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(without_security(cluster_config(levels, args.dtype)), Path(tmp))
+        cluster = LocalCluster(
+            without_security(cluster_config(levels, args.dtype, args.set)), Path(tmp)
+        )
         try:
             cluster.start(timeout=900)
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
@@ -198,6 +209,13 @@ def main() -> None:
         default="spec_bench",
         help=f"comma-separated: {', '.join(workloads.NAMES)}, or .jsonl paths (see workloads.py)",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a config key of the cluster (e.g. verifier.own_history_drafts=false); repeatable",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     streams = sum(int(c) for c in args.concurrency.split(","))
@@ -217,7 +235,7 @@ def main() -> None:
     record = {
         "command": f"python -m benchmarks.spec_bench --per-category {args.per_category} "
         f"--tokens {args.tokens} --concurrency {args.concurrency} --dtype {args.dtype} "
-        f"--workload {args.workload}",
+        f"--workload {args.workload}" + "".join(f" --set {o}" for o in args.set),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "questions": len(rows),
         "modes": modes,
