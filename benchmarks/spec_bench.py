@@ -38,6 +38,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 import grpc
@@ -82,7 +83,7 @@ def stream(
     }
 
 
-def cluster_config(levels: list[int], dtype: str, overrides: list[str] = ()) -> dict:
+def cluster_config(levels: list[int], dtype: str, overrides: Iterable[str] = ()) -> dict:
     """config/specserve.yaml's verifier and drafter sections, less their ports, with `dtype`
     and a batch for the largest concurrency; then `overrides` ("verifier.KEY=VALUE", the
     value read as YAML)."""
@@ -214,7 +215,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="a config key of the cluster (e.g. verifier.own_history_drafts=false); repeatable",
+        help="a config key of the cluster (e.g. drafter.proposer=suffix); repeatable",
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()

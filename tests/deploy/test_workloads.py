@@ -76,3 +76,16 @@ def test_spec_bench_times_each_category_under_a_load_of_its_own_kind():
     counts = Counter(r["category"] for r in rows)
     for group in by_level[16]:
         assert len({r["question_id"] for r in group}) == counts[group[0]["category"]] - 1 - 4
+
+
+def test_spec_bench_sets_config_keys_of_its_cluster_and_refuses_others_by_name():
+    from benchmarks import spec_bench
+
+    config = spec_bench.cluster_config(
+        [4], "int8", ["drafter.proposer=suffix", "verifier.deep_tree_size=16"]
+    )
+    assert config["drafter"]["proposer"] == "suffix"
+    assert config["verifier"]["deep_tree_size"] == 16  # (read as YAML: an int)
+    assert config["verifier"]["batch_size"] == 4 and config["verifier"]["dtype"] == "int8"
+    with pytest.raises(SystemExit, match="--set gateway.port=1: expected verifier.KEY=VALUE"):
+        spec_bench.cluster_config([1], "auto", ["gateway.port=1"])
