@@ -9,7 +9,7 @@ from ..common.settings import DrafterSettings
 from .draft_model import DraftModelProposer
 from .proposer import DraftJob, Proposer
 from .suffix import SuffixProposer
-from .tree import DraftTree
+from .tree import DraftTree, union
 
 PRIOR_MODEL_ACCEPTED = 1.5  # draft tokens a draft-model tree gets accepted, before measuring
 SEQUENCE_WEIGHT = 0.3  # of a step in a sequence's running mean
@@ -22,6 +22,7 @@ class _Proposed:
     history: int  # tokens of the history it was drafted after
     suffix: DraftTree  # the suffix tree, proposed or not
     predicted: float  # its score
+    model: DraftTree  # the draft model's tree, proposed or part of the one proposed (or empty)
 
 
 @dataclass
@@ -57,8 +58,11 @@ class HybridProposer(Proposer):
     and ones scoring 6 or more in code edits twice theirs, and prose sequences kept taking the
     former over the draft model.
 
-    Steps that take the suffix tree cost no draft forward pass, and may go as deep as the
-    verifier's `deep_budget`; the draft model's trees stay within `budget`."""
+    Steps that take the suffix tree alone (the draft model's budget is 0, or a sampling
+    request's suffix tree won) cost no draft forward pass, and may go as deep as the
+    verifier's `deep_budget`; the draft model's trees stay within `budget`, and a greedy
+    step whose suffix tree won while the draft model has a budget proposes both as one tree
+    within the larger of the two (`_choose`)."""
 
     name = "hybrid"
 
@@ -89,30 +93,51 @@ class HybridProposer(Proposer):
         for job in jobs:
             self._observe(job)
         chosen = self._choose(jobs)
-        for job, (tree, suffix, score) in zip(jobs, chosen, strict=True):
-            self.proposed[job.seq_id] = _Proposed(tree, len(job.tokens), suffix, score)
-        return [tree for tree, _, _ in chosen]
+        for job, (tree, suffix, score, model) in zip(jobs, chosen, strict=True):
+            self.proposed[job.seq_id] = _Proposed(tree, len(job.tokens), suffix, score, model)
+        return [tree for tree, *_ in chosen]
 
     def propose_ahead(self, jobs: list[DraftJob]) -> list[DraftTree]:
         """Chooses as propose does, and leaves the record of the last real proposal alone: its
         acceptance is read off the next message."""
-        return [tree for tree, _, _ in self._choose(jobs)]
+        return [tree for tree, *_ in self._choose(jobs)]
 
-    def _choose(self, jobs: list[DraftJob]) -> list[tuple[DraftTree, DraftTree, float]]:
-        """Each job's tree, and its suffix tree and that tree's score."""
+    def _choose(self, jobs: list[DraftJob]) -> list[tuple[DraftTree, DraftTree, float, DraftTree]]:
+        """Each job's tree, its suffix tree and that tree's score, and the draft model's tree.
+
+        A greedy sequence whose suffix tree wins while the draft model has a budget gets both
+        in one tree (`tree.union`: the chain, then the suffix tree's likeliest nodes within
+        the larger budget): the draft model's passes were priced for that step anyway, and
+        either tree alone loses steps the other would have won (on the acceptance replay,
+        2-4 steps a category, where a confident suffix tree got 0-3 tokens and the chain
+        would have got 1-6). Sampling requests take one or the other, since a drawn tree's
+        children must all come from its draft distribution."""
         suffixed = [self.suffix.propose_one(job) for job in jobs]
         use_suffix = [
             len(tree) > 0
             and (job.budget == 0 or score * self._calibration(job).ratio >= self._model(job))
             for job, (tree, score) in zip(jobs, suffixed, strict=True)
         ]
-        drafted = self.draft.propose(
-            [replace(job, budget=0) if s else job for job, s in zip(jobs, use_suffix, strict=True)]
-        )
-        return [
-            (tree if s else model_tree, tree, score)
-            for (tree, score), s, model_tree in zip(suffixed, use_suffix, drafted, strict=True)
+        both = [
+            s and job.budget > 0 and job.temperature == 0
+            for job, s in zip(jobs, use_suffix, strict=True)
         ]
+        drafted = self.draft.propose(
+            [
+                replace(job, budget=0) if s and not b else job
+                for job, s, b in zip(jobs, use_suffix, both, strict=True)
+            ]
+        )
+        chosen = []
+        for job, (tree, score), s, b, model in zip(
+            jobs, suffixed, use_suffix, both, drafted, strict=True
+        ):
+            if b:
+                proposed = union(model, tree, max(job.budget, job.free_budget))
+            else:
+                proposed = tree if s else model
+            chosen.append((proposed, tree, score, model))
+        return chosen
 
     def _model(self, job: DraftJob) -> float:
         """The draft model's expected accepted tokens for the sequence (sampling requests:
@@ -131,9 +156,9 @@ class HybridProposer(Proposer):
             self._calibration(job).update(held, last.predicted, SEQUENCE_WEIGHT)
             if job.temperature == 0:
                 self.service_calibration.update(held, last.predicted, SERVICE_WEIGHT)
-        if len(last.tree) == 0 or last.tree.model_free:
+        if len(last.model) == 0:
             return
-        accepted = last.tree.matched(emitted)
+        accepted = last.model.matched(emitted)
         mean = self._model(job)
         self.model_accepted[job.seq_id] = mean + SEQUENCE_WEIGHT * (accepted - mean)
         self.service_model_accepted += SERVICE_WEIGHT * (accepted - self.service_model_accepted)

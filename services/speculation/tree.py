@@ -92,6 +92,25 @@ class DraftTree:
                 raise ValueError(f"draft distribution of node {node} has invalid probabilities")
 
 
+def union(first: DraftTree, second: DraftTree, limit: int) -> DraftTree:
+    """`first` whole, then `second`'s nodes in their order, each merged into a node already
+    there for the same token under the same parent, or added while the tree has fewer than
+    `limit` nodes (a node whose parent found no room goes too): every path of the result is a
+    path of one of the two. For deterministic trees only: `second` carries no draws."""
+    model_free = first.model_free and second.model_free
+    tree = DraftTree(list(first.token_ids), list(first.parents), dict(first.dists), model_free)
+    at = {(p, t): i for i, (t, p) in enumerate(zip(first.token_ids, first.parents, strict=True))}
+    where: dict[int, int] = {-1: -1}  # second's node -> its node in the result
+    for i, (token, parent) in enumerate(zip(second.token_ids, second.parents, strict=True)):
+        if (up := where.get(parent)) is None:
+            continue
+        if (node := at.get((up, token))) is None and len(tree) < limit:
+            node = at[(up, token)] = tree.add(token, up)
+        if node is not None:
+            where[i] = node
+    return tree
+
+
 def to_proto(tree: DraftTree, msg) -> None:
     """Fills a specserve.v1.DraftTree message."""
     msg.token_ids.extend(tree.token_ids)

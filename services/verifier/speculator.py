@@ -368,7 +368,9 @@ class Speculator:
             tree.validate(self.vocab_size)
             if tree.model_free and tree.dists:
                 raise ValueError("a model-free tree carries draft distributions")
-            budget = deep if tree.model_free else budget
+            # (a draft model's tree may hold a model-free one's nodes too, the hybrid's union of
+            # both, within the larger of the budgets the policy priced for the sequence)
+            budget = deep if tree.model_free else max(budget, deep) if budget else 0
             if len(tree) > budget:
                 raise ValueError(f"{len(tree)} nodes exceed the budget of {budget}")
         except ValueError as e:

@@ -496,3 +496,17 @@ def test_the_host_walk_gives_the_verdicts_of_the_device_layout():
     assert deep > 50 and broken > 10
     mixed = [Candidates(DraftTree(), one_hot_rows([1]), SamplingParams(temperature=0.8))]
     assert select_walked(mixed) is None  # sampling sequences take the device's path
+
+
+def test_a_union_holds_every_path_of_both_trees_within_its_limit():
+    from specserve.speculation.tree import union
+
+    chain = DraftTree([5, 6, 7], [-1, 0, 1])
+    copy = DraftTree([5, 6, 9, 8, 4], [-1, 0, 1, 0, 3], model_free=True)  # 5 6 9; 5 8 4
+    merged = union(chain, copy, limit=5)
+    assert merged.token_ids[:3] == [5, 6, 7] and not merged.model_free
+    paths = {tuple(merged.path(n)) for n in range(len(merged))}
+    assert paths == {(5,), (5, 6), (5, 6, 7), (5, 6, 9), (5, 8)}  # 5 8 4: no room for its 4
+    merged.validate(vocab_size=10)
+    assert len(union(chain, copy, limit=3)) == 3  # shared nodes merge even without room
+    assert union(copy, DraftTree(model_free=True), limit=9).model_free

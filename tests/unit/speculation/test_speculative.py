@@ -119,12 +119,34 @@ def test_hybrid_stops_taking_suffix_trees_that_do_not_come_true_for_its_sequence
     for step in range(8):
         jobs = [DraftJob(name, tokens, 4, deep_budget=16) for name, tokens in history.items()]
         for job, tree in zip(jobs, hybrid.propose(jobs), strict=True):
-            chosen[job.seq_id].append(tree.model_free)
+            chosen[job.seq_id].append(len(tree) > 4)  # (the chain alone holds 4 nodes at most)
         at = 5 + 4 * step  # the copy goes on; the other emits a new token, then the same 5
         history["copies"] += part[at : at + 4]
         history["strays"] += [500 + step, *part[:5]]
     assert all(chosen["copies"])
     assert chosen["strays"][0] and not any(chosen["strays"][-3:])
+
+
+def test_a_winning_suffix_tree_and_the_chain_go_as_one_tree_for_greedy_steps(tiny_draft):
+    """A sequence whose history repeats: its suffix tree wins. With a draft-model budget, a
+    greedy step proposes the chain and the suffix tree merged (every path of both, within the
+    larger budget); a sampling step, or one without that budget, the suffix tree alone."""
+    hybrid = HybridProposer(suffix_proposer(), draft_model_proposer(tiny_draft, SHAPES["chain"]))
+    part = list(range(300, 340))
+    history = part + part[:5]
+    chain = draft_model_proposer(tiny_draft, SHAPES["chain"]).propose([DraftJob("c", history, 4)])[
+        0
+    ]
+    suffix, _ = suffix_proposer().propose_one(DraftJob("s", history, 4, deep_budget=16))
+    (both,) = hybrid.propose([DraftJob("g", history, 4, deep_budget=16)])
+    assert not both.model_free and len(both) <= 16
+    paths = {tuple(both.path(n)) for n in range(len(both))}
+    assert tuple(chain.path(len(chain) - 1)) in paths
+    assert tuple(suffix.path(len(suffix) - 1)) in paths  # the copy
+    (sampled,) = hybrid.propose([DraftJob("t", history, 4, 0.8, 1, deep_budget=16)])
+    (unbudgeted,) = hybrid.propose([DraftJob("u", history, 0, deep_budget=16)])
+    for alone in (sampled, unbudgeted):
+        assert alone.model_free and alone.token_ids == suffix.token_ids
 
 
 def test_draft_cache_resyncs_after_a_rollback(tiny_model):

@@ -148,3 +148,19 @@ def test_a_model_free_tree_with_draft_distributions_is_dropped():
     msg = drafter_pb2.DraftTree()
     to_proto(tree, msg)
     assert len(speculator._checked(msg, (8, 8))) == 0
+
+
+def test_a_draft_model_tree_may_hold_a_model_free_trees_nodes_within_the_larger_budget():
+    """The hybrid's union of a chain and a suffix tree: a draft model's tree up to the larger
+    of the sequence's two budgets, and none where the draft model had no budget."""
+    from specserve.speculation.tree import DraftTree, to_proto
+    from specserve.v1 import drafter_pb2
+    from specserve.verifier.speculator import Speculator
+
+    settings = VerifierSettings.load(None)
+    speculator = Speculator(settings.speculation, settings.batch, vocab_size=1000)
+    msg = drafter_pb2.DraftTree()
+    to_proto(DraftTree(token_ids=[1, 2, 3, 4], parents=[-1, 0, -1, 2]), msg)
+    assert len(speculator._checked(msg, (2, 4))) == 4
+    assert len(speculator._checked(msg, (2, 3))) == 0  # over both
+    assert len(speculator._checked(msg, (0, 8))) == 0  # the draft model was not to run
