@@ -134,9 +134,8 @@ def test_a_winning_suffix_tree_and_the_chain_go_as_one_tree_for_greedy_steps(tin
     hybrid = HybridProposer(suffix_proposer(), draft_model_proposer(tiny_draft, SHAPES["chain"]))
     part = list(range(300, 340))
     history = part + part[:5]
-    chain = draft_model_proposer(tiny_draft, SHAPES["chain"]).propose([DraftJob("c", history, 4)])[
-        0
-    ]
+    drafter = draft_model_proposer(tiny_draft, SHAPES["chain"])
+    (chain,) = drafter.propose([DraftJob("c", history, 4)])
     suffix, _ = suffix_proposer().propose_one(DraftJob("s", history, 4, deep_budget=16))
     (both,) = hybrid.propose([DraftJob("g", history, 4, deep_budget=16)])
     assert not both.model_free and len(both) <= 16
