@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..speculation.proposer import DraftJob, Proposer
-from ..speculation.tree import DraftTree
+from ..speculation.tree import DraftTree, node_limit
 from . import metrics
 
 
@@ -96,8 +96,7 @@ class RunAhead:
         if accepted_len != ahead.history or not tops:
             metrics.RUN_AHEAD.labels("discarded").inc()
             return None
-        budget = job.free_budget if ahead.tree.model_free else job.budget
-        tree = subtree(ahead.tree, tops[0], budget)
+        tree = subtree(ahead.tree, tops[0], node_limit(ahead.tree, job.budget, job.free_budget))
         if not tree:  # nothing under it, or this step wants no tree of that kind
             metrics.RUN_AHEAD.labels("discarded").inc()
             return None

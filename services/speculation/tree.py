@@ -92,6 +92,15 @@ class DraftTree:
                 raise ValueError(f"draft distribution of node {node} has invalid probabilities")
 
 
+def node_limit(tree: DraftTree, budget: int, deep_budget: int) -> int:
+    """The most nodes a tree may have in a step that gave its sequence these budgets: a
+    model-free tree the deep budget; any other the larger of the two (a draft model's tree, or
+    the hybrid's union of one with a suffix tree), and none where the draft model had none."""
+    if tree.model_free:
+        return deep_budget
+    return max(budget, deep_budget) if budget else 0
+
+
 def union(first: DraftTree, second: DraftTree, limit: int) -> DraftTree:
     """`first` whole, then `second`'s nodes in their order, each merged into a node already
     there for the same token under the same parent, or added while the tree has fewer than

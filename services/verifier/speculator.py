@@ -17,7 +17,7 @@ from ..common.settings import BatchSettings, SpeculationSettings
 from ..speculation.ngram import NgramProposer
 from ..speculation.policy import EXPLORE_ALPHA, AdaptivePolicy, Candidate
 from ..speculation.proposer import TreeShape
-from ..speculation.tree import DraftTree, from_proto
+from ..speculation.tree import DraftTree, from_proto, node_limit
 from . import metrics
 from .drafter_client import DraftUnavailable
 from .drafter_pool import DrafterPool
@@ -368,9 +368,7 @@ class Speculator:
             tree.validate(self.vocab_size)
             if tree.model_free and tree.dists:
                 raise ValueError("a model-free tree carries draft distributions")
-            # (a draft model's tree may hold a model-free one's nodes too, the hybrid's union of
-            # both, within the larger of the budgets the policy priced for the sequence)
-            budget = deep if tree.model_free else max(budget, deep) if budget else 0
+            budget = node_limit(tree, budget, deep)
             if len(tree) > budget:
                 raise ValueError(f"{len(tree)} nodes exceed the budget of {budget}")
         except ValueError as e:
