@@ -31,7 +31,7 @@ def likeliest_path(tree: DraftTree) -> list[int]:
 
 def subtree(tree: DraftTree, top: int, budget: int) -> DraftTree:
     """The nodes under `top`, re-rooted (top's children become the root's), in the order they
-    were listed, at most `budget` of them."""
+    were listed, at most `budget` of them; a scored tree's scores given that top was kept."""
     out = DraftTree(model_free=tree.model_free)
     index = {top: -1}
     for i, parent in enumerate(tree.parents):
@@ -39,6 +39,8 @@ def subtree(tree: DraftTree, top: int, budget: int) -> DraftTree:
             break
         if parent in index:
             index[i] = out.add(tree.token_ids[i], index[parent])
+            if tree.scores:
+                out.scores.append(min(1.0, tree.scores[i] / max(tree.scores[top], 1e-9)))
     return out
 
 

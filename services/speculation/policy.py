@@ -38,12 +38,15 @@ expected gain is worth less than the time their nodes add to the step drop to 0.
 plain decoding, which wins when the batch is large enough that extra tokens cost more than
 they return. Speculation wins only by MARGIN (5%) of the plain rate. A model-free tree gets
 the depth k whose expected extra tokens most exceed what the step's rate loses in the time
-those k nodes add, if that is at least MARGIN tokens. Requests that pinned a tree size keep it,
-and count in the cost. A sequence whose own rate is not measured yet, and every sequence on a
-probe step, is priced with an acceptance of at least EXPLORE_ALPHA: it drafts where good
-drafts would pay, at the size they would pay at, and not where even those would not. (The
-speculator also drafts nothing on a step that gives an interactive request its first token
-while at most one other sequence would draft; see Speculator.budgets.)
+those k nodes add, if that is at least MARGIN tokens; a scored one (the suffix proposer's,
+each node with its chance that the target keeps the path to it) is cut on arrival to the
+first n nodes whose chances, calibrated by what the target kept of nodes of such scores
+(`ScoreCalibration`), most exceed that time (`scored_nodes`). Requests that pinned a tree
+size keep it, and count in the cost. A sequence whose own rate is not measured yet, and
+every sequence on a probe step, is priced with an acceptance of at least EXPLORE_ALPHA: it
+drafts where good drafts would pay, at the size they would pay at, and not where even those
+would not. (The speculator also drafts nothing on a step that gives an interactive request
+its first token while at most one other sequence would draft; see Speculator.budgets.)
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ DRAFT_SHARE = 1 / 3
 # model catching up after model-free steps, a noisy profile entry) costs a few percent:
 # without it the int4 pair here chose a chain of 1 at an expected 1.02x and ran at 0.9x.
 MARGIN = 0.05
+# Calibration of model-free node scores (ScoreCalibration): bins of the score, and how many
+# nodes a bin's prior (the score taken at its word) counts as, and at most (older nodes fade).
+SCORE_BINS = 10
+SCORE_PRIOR_NODES = 8.0
+SCORE_WINDOW_NODES = 2000.0
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -139,9 +147,9 @@ class CostModel:
         largest extended by the slope of its last two."""
         if self._points is None:
             counts = sorted(self.profile)
-            self._points = (
-                np.array(counts, dtype=np.float64),
-                np.array([self.profile[k] for k in counts]),
+            self._points = (  # (a pass of more tokens never costs less: a slow timing
+                np.array(counts, dtype=np.float64),  # of fewer stands for more too)
+                np.maximum.accumulate(np.array([self.profile[k] for k in counts])),
             )
         counts, times = self._points
         n = np.asarray(n, dtype=np.float64)
@@ -225,6 +233,38 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
     return [float(v) for v in coef]
 
 
+class ScoreCalibration:
+    """How often the target keeps the path to a model-free node, by the score its proposer
+    gave the node (histogram binning, service-wide): per bin of the score, the share of the
+    checked nodes that were kept, starting from the bin's midpoint counted as
+    SCORE_PRIOR_NODES nodes. A suffix tree's scores rank its nodes well (a long match scores
+    its copy high, a 1-token match its guesses low) while their level is off by kinds of
+    text; the bins read the level off what the target did."""
+
+    def __init__(self):
+        self.kept = SCORE_PRIOR_NODES * (np.arange(SCORE_BINS) + 0.5) / SCORE_BINS
+        self.checked = np.full(SCORE_BINS, SCORE_PRIOR_NODES)
+
+    @staticmethod
+    def _bins(scores) -> np.ndarray:
+        b = (np.asarray(scores, dtype=np.float64) * SCORE_BINS).astype(np.int64)
+        return np.clip(b, 0, SCORE_BINS - 1)
+
+    def chances(self, scores) -> np.ndarray:
+        """The chance that the target keeps each node's path, by its score."""
+        b = self._bins(scores)
+        return self.kept[b] / self.checked[b]
+
+    def observe(self, scores, kept) -> None:
+        """Checked nodes' scores, and whether the target kept each one's path."""
+        b = self._bins(scores)
+        np.add.at(self.checked, b, 1.0)
+        np.add.at(self.kept, b, np.asarray(kept, dtype=np.float64))
+        full = self.checked > SCORE_WINDOW_NODES
+        self.kept[full] /= 2
+        self.checked[full] /= 2
+
+
 @dataclass
 class Candidate:
     """One sequence of the step, as the policy sees it."""
@@ -250,6 +290,7 @@ class AdaptivePolicy:
         self.cost = cost or CostModel()
         self.service_alpha = PRIOR_ACCEPTANCE  # of draft-model trees
         self.service_free_alpha = PRIOR_ACCEPTANCE  # of model-free trees (suffix, n-gram)
+        self.scores = ScoreCalibration()  # of scored model-free trees' nodes
         self.steps = 0
 
     def alpha(self, accepted: int, tested: int, free: bool = False) -> float:
@@ -304,6 +345,19 @@ class AdaptivePolicy:
             ask = rate * asking[i] if asking else 0.0
             budgets.append(k if hit * net[k] - ask >= MARGIN else 0)
         return budgets
+
+    def scored_nodes(self, scores: list[float], tokens: int, rate: float) -> int:
+        """How many of a scored model-free tree's first nodes to check in a pass of `tokens`
+        other tokens: the n whose calibrated chances (the tokens they are expected to add)
+        most exceed what the step's `rate` loses in the time n nodes add, or 0 if that is
+        less than MARGIN tokens. All of them while a token's cost is not measured."""
+        if not scores or not self.cost.known:
+            return len(scores)
+        gain = np.concatenate(([0.0], np.cumsum(self.scores.chances(scores))))
+        counts = tokens + np.arange(len(scores) + 1)
+        net = gain - rate * (self.cost.verify_seconds(counts) - self.cost.verify_seconds(tokens))
+        n = int(np.argmax(net))
+        return n if net[n] >= MARGIN else 0
 
     def budgets(self, candidates: list[Candidate], other_tokens: int) -> list[int]:
         """Budgets that maximise expected tokens per second; other_tokens are tokens in the

@@ -146,11 +146,11 @@ class SuffixIndex:
         """The tree of what followed `ends` (where a suffix of `match` tokens occurred),
         best-first by frequency, and its expected accepted tokens: the sum of its nodes' path
         shares, each times match / (match + depth) (1-based depth), a rule of succession over
-        the matched length. A continuation seen once is a share of 1 at every depth; after a
-        1-token match the target kept 0.3-0.5 of such 2-node trees, after a 20-token one most
-        of a 40-node copy, and the plain shares overrated every tree 3-4x on the acceptance
-        replay's outputs, the smallest the most (the hybrid proposer compares the score with
-        the draft model's)."""
+        the matched length; each node's term is its score (DraftTree.scores). A continuation
+        seen once is a share of 1 at every depth; after a 1-token match the target kept
+        0.3-0.5 of such 2-node trees, after a 20-token one most of a 40-node copy, and the
+        plain shares overrated every tree 3-4x on the acceptance replay's outputs, the
+        smallest the most (the hybrid proposer compares the score with the draft model's)."""
         tree, score = DraftTree(model_free=True), 0.0
         order = itertools.count()
         heap: list[tuple[float, int, int, int, int, list[int]]] = []
@@ -174,7 +174,8 @@ class SuffixIndex:
         while heap and len(tree) < budget:
             neg, _, parent, token, offset, occ = heapq.heappop(heap)
             node = tree.add(token, parent)
-            score -= neg * match / (match + offset + 1)
+            tree.scores.append(-neg * match / (match + offset + 1))
+            score += tree.scores[-1]
             push_children(node, offset + 1, -neg, occ)
         return tree, score
 

@@ -4,6 +4,11 @@ Node i holds token_ids[i]; its parent is parents[i] (-1: the root, i.e. the sequ
 token). Parents come before children. Siblings are listed in the order they were drawn, which
 matters for rejection sampling.
 
+`scores` (model-free trees, optional) holds per node the proposer's estimate of the chance
+that the target keeps the path to it; their sum is the tree's expected accepted tokens. A
+scored tree lists its nodes likeliest first, so `prefix(n)` (its first n nodes) is the best
+tree of n nodes by that estimate.
+
 `dists` maps a node (-1 for the root) to the draft distribution its children were drawn from,
 as a sparse (token ids, probabilities) pair. A node without one has deterministic children
 (greedy top-k or n-gram drafts): rejection sampling then treats each child as a point mass.
@@ -22,6 +27,7 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)  # [nodes], -1 = root
     dists: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     model_free: bool = False  # drawn by no model (a suffix or n-gram match): costs no draft pass
+    scores: list[float] = field(default_factory=list)  # [nodes] or empty: see the module doc
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -30,6 +36,15 @@ class DraftTree:
         self.token_ids.append(token)
         self.parents.append(parent)
         return len(self.token_ids) - 1
+
+    def prefix(self, n: int) -> DraftTree:
+        """The tree of the first n nodes (parents come first, so it is one)."""
+        if n >= len(self):
+            return self
+        dists = {node: d for node, d in self.dists.items() if node < n}
+        return DraftTree(
+            self.token_ids[:n], self.parents[:n], dists, self.model_free, self.scores[:n]
+        )
 
     def depths(self) -> list[int]:
         """Depth of each node; children of the root have depth 0."""
@@ -90,6 +105,10 @@ class DraftTree:
                 raise ValueError(f"draft distribution of node {node} has tokens out of vocab")
             if not all(0.0 <= q <= 1.0 for q in probs):  # also false for NaN
                 raise ValueError(f"draft distribution of node {node} has invalid probabilities")
+        if self.scores and len(self.scores) != len(self):
+            raise ValueError(f"{len(self.scores)} node scores for {len(self)} nodes")
+        if not all(0.0 <= s <= 1.0 for s in self.scores):
+            raise ValueError("node scores must lie in [0, 1]")
 
 
 def node_limit(tree: DraftTree, budget: int, deep_budget: int) -> int:
@@ -125,6 +144,7 @@ def to_proto(tree: DraftTree, msg) -> None:
     msg.token_ids.extend(tree.token_ids)
     msg.parent_indices.extend(tree.parents)
     msg.model_free = tree.model_free
+    msg.node_scores.extend(tree.scores)
     for node, (ids, probs) in tree.dists.items():
         msg.distributions.add(node_index=node, token_ids=ids, probs=probs)
 
@@ -135,4 +155,5 @@ def from_proto(msg) -> DraftTree:
         parents=list(msg.parent_indices),
         dists={d.node_index: (list(d.token_ids), list(d.probs)) for d in msg.distributions},
         model_free=msg.model_free,
+        scores=list(msg.node_scores),
     )

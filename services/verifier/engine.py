@@ -341,7 +341,7 @@ class Engine:
             self.speculator.observe_acceptance(
                 seq,
                 tree,
-                len(verdict.accepted),
+                verdict.accepted,
                 len(verdict.accepted) + (len(verdict.accepted) < levels),
             )
         seq.accepted += accepted

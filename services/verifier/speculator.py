@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+
+import numpy as np
 
 from ..common.settings import BatchSettings, SpeculationSettings
 from ..speculation.ngram import NgramProposer
@@ -44,6 +47,11 @@ CATCH_UP_HORIZON = 2 * EXPLORE_TOKENS
 # count of one sequence's small trees (kernels price rows in blocks), then sparser.
 CALIBRATE_COUNTS = (*range(1, 10), 13, 17, 25, 33, 49, 65)
 CALIBRATE_MAX = 65
+# Steps a sequence waits, at most, before asking the drafter for a model-free tree alone
+# again, after asks that left nothing worth checking (1, 3, 7, then this many): an ask is a
+# round trip (2-6 ms against a 50 ms step here), and prose found nothing in most of them,
+# while a copy that starts is found within this many tokens.
+FREE_WAIT_MAX = 15
 
 
 def exploring(tested: int, trees: int | None = None) -> bool:
@@ -60,6 +68,15 @@ def explored(alpha: float, tested: int, trees: int | None = None) -> float:
     """A sequence's acceptance as the policy prices it: at least EXPLORE_ALPHA while
     `exploring`."""
     return max(alpha, EXPLORE_ALPHA) if exploring(tested, trees) else alpha
+
+
+@dataclass
+class _StepPrice:
+    """What the policy priced the step's model-free trees by (Speculator._priced)."""
+
+    rate: float  # expected emitted tokens per second of the step without them
+    tokens: int  # tokens of its pass without them
+    deep: list[int]  # per sequence, the deep budget priced by its acceptance
 
 
 class Speculator:
@@ -97,6 +114,7 @@ class Speculator:
             NgramProposer(TreeShape(max_depth=8)) if settings.fallback_mode == "ngram" else None
         )
         self.sync = DrafterSync()
+        self._step: _StepPrice | None = None  # what `budgets` priced this step by
 
     def cap(self, seq: Sequence, size: int | None = None) -> int:
         """Most tree nodes a sequence may get (`size`, or verification_tree_size; a request's
@@ -127,6 +145,7 @@ class Speculator:
         drafting, the adaptive policy drafts nothing (the draft time saved for the new request
         is worth about what one sequence's speculation gains in a step); with more, the
         others' loss outweighs it and they draft as usual."""
+        self._step = None
         caps = [self.cap(s) for s in seqs]
         deep_caps = [self.cap(s, self.deep_tree_size) for s in seqs]
         drafting = sum(c > 0 or d > 0 for c, d in zip(caps, deep_caps, strict=True))
@@ -179,7 +198,21 @@ class Speculator:
         rate = policy.rate(model, ks, other_tokens)
         asking = [0.0] * len(ks) if any(ks) else [policy.cost.round_trip] * len(ks)
         deep = policy.deep_budgets(free, rate, [tokens - k for k in ks], asking)
-        return list(zip(ks, deep, strict=True))
+        self._step = _StepPrice(rate, tokens, deep)
+        return [
+            (k, self._free_ask(s, cap) if k == 0 and not pin else d)
+            for s, k, d, cap, pin in zip(seqs, ks, deep, deep_caps, pinned, strict=True)
+        ]
+
+    @staticmethod
+    def _free_ask(seq: Sequence, cap: int) -> int:
+        """The deep budget of a sequence whose draft model has none this step: its cap (the
+        drafter sizes a suffix tree by its match, and a scored one is cut to what pays
+        when it arrives: `_priced`), unless it waits after asks that left nothing to check."""
+        if seq.free_wait > 0:
+            seq.free_wait -= 1
+            return 0
+        return cap
 
     def calibrate(self, time_pass, most_tokens: int) -> dict[int, float]:
         """Times a forward pass of each token count a step of this verifier can have, up to
@@ -212,8 +245,25 @@ class Speculator:
         return self.policy.cost.verify_seconds(tokens) if self.policy is not None else 0.0
 
     def observe_acceptance(
-        self, seq: Sequence, tree: DraftTree, accepted: int, tested: int
+        self, seq: Sequence, tree: DraftTree, accepted: list[int], tested: int
     ) -> None:
+        """What the target kept of a sequence's tree: the nodes of its accepted path, and
+        the draft tokens it checked (those and the first rejection, if any)."""
+        if self.policy is not None and tree.scores:
+            kept = np.zeros(len(tree), dtype=bool)
+            kept[accepted] = True
+            self.policy.scores.observe(tree.scores, kept)
+        accepted = len(accepted)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "checked",
+                extra={
+                    "nodes": len(tree),
+                    "accepted": accepted,
+                    "model_free": tree.model_free,
+                    "expected": round(sum(tree.scores), 2) if tree.scores else None,
+                },
+            )
         seq.tested += tested
         if tree.model_free:
             seq.free_accepted += accepted
@@ -240,24 +290,57 @@ class Speculator:
             started = time.perf_counter()
             trees = self._ask_drafters(seqs, budgets)
             seconds = time.perf_counter() - started
-            alone = [k == 0 and deep > 0 for k, deep in budgets]  # a model-free tree alone
-            for seq, asked, tree in zip(seqs, alone, trees, strict=True):
-                if asked and tree is not None:
-                    seq.free_asked += 1
-                    seq.free_matched += len(tree) > 0
             if self.policy is not None and all(t is not None for t in trees):
                 self._observe_drafts(seqs, budgets, trees, seconds)
             if log.isEnabledFor(logging.DEBUG):  # (with the engine's "step": the policy's view)
                 log.debug(
                     "drafted", extra={"budgets": budgets, "draft_ms": round(1000 * seconds, 1)}
                 )
+        answered = [t is not None for t in trees]
         for i, (seq, budget) in enumerate(zip(seqs, budgets, strict=True)):
             if trees[i] is None:  # the fallback's n-gram trees are model-free: the larger
                 seq.fallback_steps += max(budget) > 0
                 metrics.FALLBACK_STEPS.inc(max(budget) > 0)
                 trees[i] = self._fallback(seq, max(budget))
-            seq.drafted += len(trees[i])
+        if self.policy is not None:
+            trees = self._priced(seqs, trees, budgets)
+        for seq, (k, deep), tree, came in zip(seqs, budgets, trees, answered, strict=True):
+            if came and k == 0 and deep > 0:  # (a model-free tree alone asked the drafter)
+                self._asked_alone(seq, tree)
+            seq.drafted += len(tree)
         return trees
+
+    @staticmethod
+    def _asked_alone(seq: Sequence, tree: DraftTree) -> None:
+        """A step asked the drafter for the sequence's model-free tree alone, and kept `tree`
+        of what came (empty: no match, or nothing that paid): after 1, 2, 3, ... such asks in a
+        row that kept nothing, the sequence waits 1, 3, 7, ... steps (FREE_WAIT_MAX at most)
+        before it asks again."""
+        seq.free_asked += 1
+        seq.free_matched += len(tree) > 0
+        seq.free_misses = 0 if len(tree) else seq.free_misses + 1
+        seq.free_wait = min(2**seq.free_misses - 1, FREE_WAIT_MAX)
+
+    def _priced(self, seqs: list[Sequence], trees: list[DraftTree], budgets) -> list[DraftTree]:
+        """Each model-free tree cut to what pays in this step: a scored one to the first
+        nodes whose calibrated chances pay for their time (AdaptivePolicy.scored_nodes, in
+        a pass of the step's other tokens and the trees kept before it); an unscored one (an
+        n-gram match, the fallback's too) to the deep budget the policy priced by the
+        sequence's acceptance. A request that pinned its tree size keeps what it asked for."""
+        step, out = self._step, []
+        if step is None:  # (no sequence drafts: the step only tells of ended ones)
+            return trees
+        tokens = step.tokens
+        for seq, tree, (k, _), priced in zip(seqs, trees, budgets, step.deep, strict=True):
+            if tree.model_free and seq.tree_size is None:
+                if tree.scores:
+                    n = self.policy.scored_nodes(tree.scores, tokens - k, step.rate)
+                else:
+                    n = priced
+                tree = tree.prefix(n)
+                tokens += len(tree)
+            out.append(tree)
+        return out
 
     def _observe_drafts(self, seqs, budgets, trees: list[DraftTree], seconds: float) -> None:
         """What the drafters took this step, for the cost model. Levels are those of the
@@ -368,6 +451,8 @@ class Speculator:
             tree.validate(self.vocab_size)
             if tree.model_free and tree.dists:
                 raise ValueError("a model-free tree carries draft distributions")
+            if tree.scores and not tree.model_free:
+                raise ValueError("node scores come with model-free trees only")
             budget = node_limit(tree, budget, deep)
             if len(tree) > budget:
                 raise ValueError(f"{len(tree)} nodes exceed the budget of {budget}")

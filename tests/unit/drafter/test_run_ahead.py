@@ -3,6 +3,8 @@ the step went exactly as assumed."""
 
 from __future__ import annotations
 
+import pytest
+
 from specserve.drafter.run_ahead import RunAhead, likeliest_path, subtree
 from specserve.speculation.proposer import DraftJob
 from specserve.speculation.suffix import SuffixProposer
@@ -22,6 +24,8 @@ def test_the_likeliest_path_follows_first_children_and_subtrees_reroot():
     under = subtree(tree, 0, budget=8)
     assert (under.token_ids, under.parents) == ([7, 8, 9], [-1, -1, 0])
     assert subtree(tree, 0, budget=2).token_ids == [7, 8]
+    tree.scores = [0.8, 0.1, 0.6, 0.2, 0.4, 0.05]  # (a scored tree: given its top was kept)
+    assert subtree(tree, 0, budget=8).scores == pytest.approx([0.75, 0.25, 0.5])
 
 
 COPIED = list(range(100, 140))

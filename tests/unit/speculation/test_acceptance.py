@@ -510,3 +510,19 @@ def test_a_union_holds_every_path_of_both_trees_within_its_limit():
     merged.validate(vocab_size=10)
     assert len(union(chain, copy, limit=3)) == 3  # shared nodes merge even without room
     assert union(copy, DraftTree(model_free=True), limit=9).model_free
+
+
+def test_node_scores_cross_the_wire_and_malformed_ones_are_refused():
+    from specserve.speculation.tree import DraftTree, from_proto, to_proto
+    from specserve.v1 import drafter_pb2
+
+    tree = DraftTree([4, 5, 6], [-1, 0, 0], model_free=True, scores=[0.9, 0.5, 0.25])
+    msg = drafter_pb2.DraftTree()
+    to_proto(tree, msg)
+    back = from_proto(msg)
+    assert back.scores == pytest.approx(tree.scores)  # (float32 on the wire)
+    assert back.prefix(2).scores == back.scores[:2] and back.prefix(2).parents == [-1, 0]
+    back.validate(10)
+    for bad in ([0.9, 0.5], [0.9, 0.5, 1.5], [0.9, float("nan"), 0.1]):
+        with pytest.raises(ValueError, match="score"):
+            DraftTree([4, 5, 6], [-1, 0, 0], model_free=True, scores=bad).validate(10)

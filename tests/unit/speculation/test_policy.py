@@ -293,3 +293,31 @@ def test_exploring_model_free_trees_ends_after_a_few_however_few_tokens_they_tes
     assert deep_budget(EXPLORE_TREES) == 0
     # a draft model's trees (no count of trees given) explore until EXPLORE_TOKENS, as before
     assert explored(0.1, EXPLORE_TOKENS - 1) == EXPLORE_ALPHA
+
+
+def test_node_scores_are_calibrated_by_what_the_target_kept_of_such_nodes():
+    """Histogram binning: a score is taken at its word until nodes of its bin are checked;
+    then the bin reads what the target kept of them, each bin apart, the oldest fading."""
+    from specserve.speculation.policy import SCORE_WINDOW_NODES, ScoreCalibration
+
+    calibration = ScoreCalibration()
+    assert calibration.chances([0.93, 0.31]) == pytest.approx([0.95, 0.35])
+    for _ in range(100):
+        calibration.observe([0.93, 0.91, 0.31], [True, False, True])
+    high, low = calibration.chances([0.92, 0.35])
+    assert high == pytest.approx(0.5, abs=0.03) and low == pytest.approx(1.0, abs=0.06)
+    for _ in range(int(SCORE_WINDOW_NODES)):
+        calibration.observe([0.95], [False])
+    assert calibration.checked.max() <= SCORE_WINDOW_NODES
+    assert calibration.chances([0.95])[0] < 0.05
+
+
+def test_a_scored_tree_keeps_the_nodes_that_pay_and_all_while_a_token_is_unpriced():
+    policy = AdaptivePolicy(8)
+    scores = [0.95, 0.95, 0.45, 0.15, 0.15]
+    assert policy.scored_nodes(scores, 1, 10.0) == 5  # (nothing measured: all are checked)
+    policy.cost.calibrate({n: 0.05 + 0.01 * n for n in (1, 2, 4, 8, 16)})
+    rate = 1 / 0.06  # a plain step's: a node costs 1/6 of a token
+    assert policy.scored_nodes(scores, 1, rate) == 3
+    assert policy.scored_nodes([0.15, 0.95], 1, rate) == 2  # (a likely child pays for it)
+    assert policy.scored_nodes([0.15], 1, rate) == 0

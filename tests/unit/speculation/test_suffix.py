@@ -7,6 +7,8 @@ import random
 import time
 import tracemalloc
 
+import pytest
+
 from specserve.speculation.proposer import DraftJob
 from specserve.speculation.suffix import SharedOutputs, SuffixIndex, SuffixProposer
 
@@ -41,8 +43,13 @@ def test_trees_branch_by_frequency_and_score_their_expected_acceptance():
     # 10: 3/4, 10 11: 2/4, 10 12: 1/4, 20: 1/4, 20 21: 1/4; after a match of 2, a first token
     # counts 2/3 of its share, a second 2/4
     assert abs(score - ((0.75 + 0.25) * 2 / 3 + (0.5 + 0.25 + 0.25) * 2 / 4)) < 1e-9
+    # Each node's term is its score (what the verifier cuts the tree by), and any first
+    # nodes are the best tree of that many.
+    assert sorted(tree.scores) == pytest.approx(sorted([0.5, 0.25, 0.125, 1 / 6, 0.125]))
+    assert abs(sum(tree.scores) - score) < 1e-9
     small, _ = index.grow(ends, depth=8, budget=2, min_token_prob=0.1, match=2)
     assert small.token_ids == [10, 11]  # best-first: the likeliest nodes within the budget
+    assert tree.prefix(2).token_ids == small.token_ids and tree.prefix(2).scores == small.scores
     rare, _ = index.grow(ends, depth=8, budget=16, min_token_prob=0.4, match=2)
     assert paths(rare) == {(10, 11)}  # children below 0.4 of their parent's matches are cut
 

@@ -30,7 +30,17 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
             policy.cost.coef.a, policy.cost.coef.b = 0.1, node_seconds
             policy.cost.per_token_known = True
             policy.service_alpha = policy.service_free_alpha = 0.3
-        return speculator.budgets(seqs)
+        asked = speculator.budgets(seqs)
+        if speculator._step is None:
+            return asked
+        # A sequence whose draft model has no budget asks for a model-free tree of its cap
+        # (scored ones are cut to what pays on arrival); an unscored one is cut to the deep
+        # budget priced by its acceptance, which these tests read.
+        assert all(deep == 64 for k, deep in asked if k == 0) or settings["deep_tree_size"] == 0
+        return [
+            (k, priced if k == 0 else deep)
+            for (k, deep), priced in zip(asked, speculator._step.deep, strict=True)
+        ]
 
     fixed = dict(speculation_policy="fixed", verification_tree_size=6, deep_tree_size=40)
     assert budgets(**fixed) == [(6, 40)] * 3
@@ -47,13 +57,15 @@ def test_budgets_pair_draft_model_and_model_free_caps_and_stay_adaptive_without_
     assert budgets(True, 0.002, **adaptive, deep_tree_size=64) != cheap  # (measured: poor)
 
 
-def test_a_model_free_tree_explores_shallow_and_goes_deep_once_measured():
-    """While a sequence's model-free trees are measured (EXPLORE_TREES of them), each is at
-    most EXPLORE_DEPTH nodes: a rejection ends a tree at any depth, so a deep one tested no
-    better and cost a 7-node pass each time; measured good, they go as deep as they pay."""
+def test_an_unscored_model_free_tree_explores_shallow_and_goes_deep_once_measured():
+    """While a sequence's model-free trees are measured (EXPLORE_TREES of them), an unscored
+    one (an n-gram match) is cut to at most EXPLORE_DEPTH nodes: a rejection ends a tree at
+    any depth, so a deep one tested no better and cost a 7-node pass each time; measured
+    good, they go as deep as they pay."""
     from types import SimpleNamespace
 
     from helpers import make_sequence
+    from specserve.speculation.tree import DraftTree
     from specserve.verifier.speculator import EXPLORE_DEPTH, EXPLORE_TREES, Speculator
 
     settings = VerifierSettings.load(
@@ -67,9 +79,17 @@ def test_a_model_free_tree_explores_shallow_and_goes_deep_once_measured():
     seq = make_sequence([5, 6, 7], output=[8], max_tokens=500)
     seq.kv = SimpleNamespace(length=3)
     seq.drawn_tested, seq.drawn_accepted = 100, 0  # (no draft-model trees: they never pass)
-    ((_, exploring_deep),) = speculator.budgets([seq])
+    ngram = DraftTree(list(range(10, 50)), list(range(-1, 39)), model_free=True)
+
+    def kept() -> int:
+        budgets = speculator.budgets([seq])
+        assert budgets == [(0, 64)]  # (asked for its cap: the cut comes on arrival)
+        (tree,) = speculator._priced([seq], [ngram], budgets)
+        return len(tree)
+
+    exploring_deep = kept()
     seq.free_trees, seq.free_tested, seq.free_accepted = EXPLORE_TREES, 30, 29
-    ((_, measured_deep),) = speculator.budgets([seq])
+    measured_deep = kept()
     assert 0 < exploring_deep <= EXPLORE_DEPTH < measured_deep
 
 
@@ -164,3 +184,66 @@ def test_a_draft_model_tree_may_hold_a_model_free_trees_nodes_within_the_larger_
     assert len(speculator._checked(msg, (2, 4))) == 4
     assert len(speculator._checked(msg, (2, 3))) == 0  # over both
     assert len(speculator._checked(msg, (0, 8))) == 0  # the draft model was not to run
+
+
+def _adaptive(**settings):
+    """A speculator whose verify pass costs 50 ms plus 10 ms a token (a node costs 0.2 of a
+    plain step), and one sequence of it, not drafting with a draft model."""
+    from types import SimpleNamespace
+
+    from helpers import make_sequence
+    from specserve.verifier.speculator import Speculator
+
+    loaded = VerifierSettings.load(
+        None, speculative_decoding=True, discover_drafters=False, deep_tree_size=64, **settings
+    )
+    speculator = Speculator(loaded.speculation, loaded.batch, vocab_size=1000)
+    speculator.policy.cost.calibrate({n: 0.04 + 0.01 * n for n in (1, 2, 4, 8, 16, 32, 65)})
+    seq = make_sequence([5, 6, 7], output=[8], max_tokens=500)
+    seq.kv = SimpleNamespace(length=3)
+    seq.drawn_tested, seq.drawn_accepted = 100, 0  # (its draft model never pays)
+    return speculator, seq
+
+
+def test_a_scored_model_free_tree_is_cut_to_the_nodes_whose_calibrated_chances_pay():
+    """A suffix tree's nodes come with the drafter's chance that the target keeps each one's
+    path. The verifier checks the first nodes whose chances, calibrated by what the target
+    kept of such nodes before, pay for the time they add (here 0.2 of a step a node): a long
+    copy's likely nodes, not its unlikely tail; once nodes of that score have been kept a
+    tenth of the time, none."""
+    from specserve.speculation.tree import DraftTree
+
+    speculator, seq = _adaptive()
+    scores = [0.95, 0.93, 0.91, 0.89, 0.05, 0.04, 0.03]
+    tree = DraftTree(list(range(10, 17)), list(range(-1, 6)), model_free=True, scores=scores)
+    budgets = speculator.budgets([seq])
+    assert budgets == [(0, 64)]
+    (kept,) = speculator._priced([seq], [tree], budgets)
+    assert kept.token_ids == [10, 11, 12, 13] and kept.scores == scores[:4]
+    for _ in range(50):  # the target keeps a tenth of such paths
+        speculator.observe_acceptance(seq, tree, [0] if _ % 10 == 0 else [], 1)
+    (kept,) = speculator._priced([seq], [tree], speculator.budgets([seq]))
+    assert len(kept) == 0
+    seq.tree_size = 7  # a request that pinned its tree size keeps it whole
+    (kept,) = speculator._priced([seq], [tree], speculator.budgets([seq]))
+    assert len(kept) == 7
+
+
+def test_asks_that_keep_nothing_back_off_and_one_that_keeps_a_tree_resets():
+    """Each ask for a model-free tree alone is a round trip to the drafter: after asks in a
+    row that kept nothing (no match, or nothing that paid) a sequence waits 1, 3, 7, then at
+    most FREE_WAIT_MAX steps before asking again; an ask that keeps a tree ends the wait."""
+    from specserve.speculation.tree import DraftTree
+    from specserve.verifier.speculator import FREE_WAIT_MAX
+
+    speculator, seq = _adaptive()
+    asked_at = []
+    for step in range(60):
+        ((_, deep),) = speculator.budgets([seq])
+        if deep:
+            asked_at.append(step)
+            speculator._asked_alone(seq, DraftTree())
+    gaps = [b - a - 1 for a, b in zip(asked_at, asked_at[1:], strict=False)]
+    assert gaps[:5] == [1, 3, 7, FREE_WAIT_MAX, FREE_WAIT_MAX]
+    speculator._asked_alone(seq, DraftTree([3], [-1], model_free=True))
+    assert seq.free_wait == 0 and speculator.budgets([seq]) == [(0, 64)]
