@@ -18,11 +18,14 @@
   `softmax_weights` and `draw_rows` (`softmax_weights`, `draw`).
 
 `python -m specserve.engine.kernels` builds them (`make setup` does, so no service start
-waits on a compiler) and prints what was built.
+waits on a compiler) and prints what was built. Builds take turns under a lock the system
+lets go of when its holder dies, so a killed build stops no later one (`_builder`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -43,6 +46,7 @@ GROUP = 32  # inputs per int4 scale/offset pair
 BLOCK_GROUPS = 8  # groups per block of the int4 layout
 BLOCK_INPUTS = GROUP * BLOCK_GROUPS
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # openmp: at::parallel_for's pragmas
+NAME = "specserve_kernels"  # torch's extension (and build directory) name
 
 
 def _digest(paths: list[Path]) -> str:
@@ -52,6 +56,22 @@ def _digest(paths: list[Path]) -> str:
     for path in paths:
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _builder(build_dir: Path):
+    """Held while the kernels are built or loaded: an exclusive lock on `build.flock` in the
+    build directory, which the system lets go when its holder dies. Under it, torch's own
+    marker of a build in progress (`lock`, a plain file) is a killed build's, never removed,
+    on which every later build would wait forever: it is removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing a killed kernels build's lock", extra={"path": str(stale)})
+            stale.unlink(missing_ok=True)
+        yield
 
 
 class KernelError(RuntimeError):
@@ -77,13 +97,14 @@ def load() -> None:
 
     start = time.monotonic()
     try:
-        cpp_extension.load(
-            name="specserve_kernels",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=[*FLAGS, f"-DSPECSERVE_INCLUDED={_digest(INCLUDED)}"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        with _builder(Path(cpp_extension._get_build_directory(NAME, verbose=False))):
+            cpp_extension.load(
+                name=NAME,
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=[*FLAGS, f"-DSPECSERVE_INCLUDED={_digest(INCLUDED)}"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, no ninja, a build error
         raise KernelError(f"building the engine's CPU kernels failed: {e}") from e
 

@@ -120,3 +120,21 @@ def test_shapes_that_disagree_are_refused_by_name():
         kernels.int4_mm(torch.randn(2, 512), codes, scale_offset)
     with pytest.raises(RuntimeError, match="int4_mm: x must be a 2-D float32"):
         kernels.int4_mm(torch.randn(2, 256).double(), codes, scale_offset)
+
+
+def test_a_killed_builds_lock_does_not_stop_the_next_build():
+    """A build killed mid-way leaves torch's `lock` file in the build directory, on which
+    torch's next build waits forever: the kernels' own lock (let go by the system when its
+    holder dies) shows it stale, and the next build removes it and goes on."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    build_dir = Path(cpp_extension._get_build_directory(kernels.NAME, verbose=False))
+    (build_dir / "lock").touch()
+    load = "from specserve.engine import kernels; kernels.load(); print('loaded')"
+    done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+    assert not (build_dir / "lock").exists()
