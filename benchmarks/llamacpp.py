@@ -142,6 +142,19 @@ def gguf(name: str, version: str, cache_dir: str) -> Path:
     return out
 
 
+DRAFT_GGUF = "<draft gguf>"  # (in a row's flags: the draft model's assembled GGUF)
+LLAMACPP_ROWS = {
+    "llama.cpp plain": [],
+    "llama.cpp n-gram (ngram-simple)": ["--spec-type", "ngram-simple"],
+    "llama.cpp draft model (0.5B Q4_K_M)": ["-md", DRAFT_GGUF],
+}
+
+
+def wanted(args, label: str) -> bool:
+    """Whether --only (none: every row) asks for the row labelled `label`."""
+    return not args.only or any(o in label for o in args.only)
+
+
 def run_specserve(args) -> dict[str, dict[str, dict]]:
     results: dict[str, dict[str, dict]] = {f"specserve default, speculation {m}": {} for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
@@ -205,15 +218,11 @@ def run_llamacpp(args, target: Path, draft: Path, server: Path) -> dict[str, dic
         messages = [{"role": "user", "content": text}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    configs = {
-        "llama.cpp plain": [],
-        "llama.cpp n-gram (ngram-simple)": ["--spec-type", "ngram-simple"],
-        "llama.cpp draft model (0.5B Q4_K_M)": ["-md", str(draft)],
-    }
     results: dict[str, dict[str, dict]] = {}
-    for label, extra in configs.items():
-        if args.only and not any(o in label for o in args.only):
+    for label, extra in LLAMACPP_ROWS.items():
+        if not wanted(args, label):
             continue
+        extra = [str(draft) if e == DRAFT_GGUF else e for e in extra]
         port = free_port()
         cmd = [str(server), "-m", str(target), "--port", str(port), "-t", str(args.threads)]
         cmd += ["-tb", str(args.threads), "-c", "4096", "--no-webui", *extra]
@@ -275,25 +284,33 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     p.add_argument("--kinds", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
-    p.add_argument("--only", nargs="+", help="rows whose label holds one of these")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        help="rows whose label holds one of these (`specserve`: the cluster's rows alone, with "
+        "no llama.cpp built)",
+    )
     p.add_argument("--server", help="a llama-server binary instead of building one")
     p.add_argument("--cache", default=ServiceSettings().model_cache_dir)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    server = Path(args.server) if args.server else llama_server()
-    target, draft = gguf(*TARGET, args.cache), gguf(*DRAFT, args.cache)
+    llamacpp = any(wanted(args, label) for label in LLAMACPP_ROWS)  # (else nothing to build)
+    if llamacpp:
+        server = Path(args.server) if args.server else llama_server()
+        target, draft = gguf(*TARGET, args.cache), gguf(*DRAFT, args.cache)
     results: dict[str, dict[str, dict]] = {}
-    if not args.only or any("specserve" in o for o in args.only):
+    if wanted(args, "specserve default"):
         results |= run_specserve(args)
-    results |= run_llamacpp(args, target, draft, server)
+    if llamacpp:
+        results |= run_llamacpp(args, target, draft, server)
     record = {
         "command": "python -m benchmarks.llamacpp " + " ".join(sys.argv[1:]),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "git_commit": git_commit(),
         "machine": machine(),
-        "llama_cpp": f"{PACKAGE} {VERSION} ({' '.join(cmake_flags()[0])})",
-        "gguf": {"target": target.name, "draft": draft.name},
+        "llama_cpp": f"{PACKAGE} {VERSION} ({' '.join(cmake_flags()[0])})" if llamacpp else None,
+        "gguf": {"target": target.name, "draft": draft.name} if llamacpp else None,
         "tokens": args.tokens,
         "results": results,
     }
