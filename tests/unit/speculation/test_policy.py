@@ -321,3 +321,13 @@ def test_a_scored_tree_keeps_the_nodes_that_pay_and_all_while_a_token_is_unprice
     assert policy.scored_nodes(scores, 1, rate) == 3
     assert policy.scored_nodes([0.15, 0.95], 1, rate) == 2  # (a likely child pays for it)
     assert policy.scored_nodes([0.15], 1, rate) == 0
+
+
+def test_a_noisy_profile_is_read_as_the_closest_one_that_never_falls():
+    policy = AdaptivePolicy(8)
+    policy.cost.calibrate({1: 0.060, 5: 0.112, 6: 0.164, 7: 0.131, 8: 0.165, 9: 0.185})
+    cost = policy.cost
+    assert cost.verify_seconds(6) == cost.verify_seconds(7) == pytest.approx((0.164 + 0.131) / 2)
+    assert cost.verify_seconds(5) == pytest.approx(0.112) and cost.verify_seconds(9) == 0.185
+    times = [cost.verify_seconds(n) for n in range(1, 12)]
+    assert times == sorted(times)
