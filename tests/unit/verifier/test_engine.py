@@ -70,7 +70,7 @@ class TargetDrafts:
     def observe_step(self, *args) -> None:
         pass
 
-    def observe_acceptance(self, seq, tree, accepted: int, tested: int) -> None:
+    def observe_acceptance(self, seq, tree, accepted: list[int], tested: int) -> None:
         seq.tested += tested
 
     def forget(self, seq) -> None:
