@@ -3,7 +3,7 @@ speculation on and off, at several concurrencies, decode rate and accepted lengt
 
     python -m benchmarks.spec_bench [--per-category 1] [--tokens 96] [--concurrency 1,4,16]
                                     [--dtype auto] [--workload spec_bench] [--out DIR]
-                                    [--set SECTION.KEY=VALUE ...]
+                                    [--set SECTION.KEY=VALUE ...] [--keep-logs DIR]
 
 At concurrency c each category is measured under a load of its own kind: --per-category
 groups of c streams of that category's questions sent at once (first turn and system
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import json
 import statistics
 import tempfile
@@ -133,13 +134,22 @@ def groups(rows: list[dict], levels: list[int], per_category: int) -> dict[int, 
     return out
 
 
+def cluster_dir(keep: Path | None):
+    """Where the cluster's config and logs go: `keep` (--keep-logs), kept, or a temporary
+    directory, removed with the cluster."""
+    if keep is None:
+        return tempfile.TemporaryDirectory()
+    keep.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(str(keep))
+
+
 def run(rows: list[dict], args) -> dict:
     """Per concurrency c, each group's c streams sent at once with speculation on, then the
     same with it off, group after group. Per mode and c: each stream's figures by category,
     and the tokens of all its streams over the time its groups took."""
     levels = [int(c) for c in args.concurrency.split(",")]
     out: dict[str, dict] = {"off": {}, "on": {}}
-    with tempfile.TemporaryDirectory() as tmp:
+    with cluster_dir(args.keep_logs) as tmp:
         cluster = LocalCluster(
             without_security(cluster_config(levels, args.dtype, args.set)), Path(tmp)
         )
@@ -218,6 +228,13 @@ def main() -> None:
         help="a config key of the cluster (e.g. drafter.proposer=suffix); repeatable",
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument(
+        "--keep-logs",
+        type=Path,
+        metavar="DIR",
+        help="run the cluster in DIR and keep its logs there (with --set "
+        "verifier.log_level=DEBUG: every step's tree sizes and times)",
+    )
     args = p.parse_args()
     streams = sum(int(c) for c in args.concurrency.split(","))
     rows = workloads.rows(args.workload, args.per_category * streams)
