@@ -205,7 +205,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     `from_pretrained(gguf_file=...)` would give."""
     import numpy as np
     import torch
-    from gguf import GGUFReader, dequantize
+    from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -251,18 +251,33 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     with open(out_dir / "model.safetensors", "wb") as f:
         f.write(len(encoded).to_bytes(8, "little") + encoded)
         for name, t in tqdm(tensors, desc="converting", unit="tensor", file=sys.stderr):
-            data = t.data
-            weights = np.empty(
-                (data.shape[0], *dequantize(data[:1], t.tensor_type).shape[1:]), np.float32
-            )
-            for i in range(0, data.shape[0], 4096):
-                weights[i : i + 4096] = dequantize(data[i : i + 4096], t.tensor_type)
-            weights = processor.process(weights=weights, name=t.name).weights
+            weights = processor.process(weights=_dequantized(t), name=t.name).weights
             out = torch.from_numpy(np.ascontiguousarray(weights)).reshape(shapes[name])
             f.write(out.to(torch.bfloat16).view(torch.uint16).numpy())  # (little-endian)
     config.save_pretrained(str(out_dir))
     GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
     AutoTokenizer.from_pretrained(**source).save_pretrained(str(out_dir))
+
+
+DEQUANTIZE_ROWS = 4096  # rows of a GGUF tensor dequantised at a time
+
+
+def _dequantized(tensor):
+    """A GGUF tensor (gguf-py's ReaderTensor) in float32, [rows, columns] as transformers reads
+    it; a matrix is dequantised DEQUANTIZE_ROWS rows at a time into its place, so that only
+    one block's intermediates are held beside it (the largest, the default target's
+    embedding, is 0.9 GB in float32)."""
+    import numpy as np
+    from gguf import dequantize
+
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    data, kind = tensor.data, tensor.tensor_type
+    if data.ndim < 2:
+        return dequantize(data, kind).reshape(shape)
+    out = np.empty(shape, np.float32)
+    for i in range(0, shape[0], DEQUANTIZE_ROWS):
+        out[i : i + DEQUANTIZE_ROWS] = dequantize(data[i : i + DEQUANTIZE_ROWS], kind)
+    return out
 
 
 def fetch(name: str, version: str, cache_dir: str | Path, force: bool = False) -> Path:

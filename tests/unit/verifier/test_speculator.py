@@ -247,3 +247,31 @@ def test_asks_that_keep_nothing_back_off_and_one_that_keeps_a_tree_resets():
     assert gaps[:5] == [1, 3, 7, FREE_WAIT_MAX, FREE_WAIT_MAX]
     speculator._asked_alone(seq, DraftTree([3], [-1], model_free=True))
     assert seq.free_wait == 0 and speculator.budgets([seq]) == [(0, 64)]
+
+
+def test_counts_timed_slower_than_larger_ones_are_timed_again():
+    """The verify profile at start: a count timed far above a larger count's time (other work
+    on the cores, as the other services start) is timed again, up to twice, and the least
+    kept; counts timed as they should be are timed once (twice for small ones). The largest
+    count has nothing to be checked against: its neighbours' reading, non-decreasing, takes
+    care of it."""
+    from specserve.verifier.speculator import CALIBRATE_COUNTS, Speculator
+
+    loaded = VerifierSettings.load(None, speculative_decoding=True, discover_drafters=False)
+    speculator = Speculator(loaded.speculation, loaded.batch, vocab_size=1000)
+    slowed = {1: 3, 2: 2, 25: 1, 65: 1}  # count: how many of its passes (after the warm-up)
+    calls = []  # are slowed 10x
+
+    def time_pass(tokens: int) -> float:
+        calls.append(tokens)
+        seconds = 0.04 + 0.01 * tokens
+        if len(calls) > 1 and slowed.get(tokens, 0) > 0:
+            slowed[tokens] -= 1
+            seconds *= 10
+        return seconds
+
+    measured = speculator.calibrate(time_pass, 65)
+    expected = {n: 0.04 + 0.01 * n for n in CALIBRATE_COUNTS}
+    assert measured == expected | {65: 10 * expected[65]}
+    assert speculator.policy.cost.profile == measured
+    assert [calls.count(n) for n in (1, 2, 3, 25, 33, 65)] == [1 + 2 + 2, 2 + 1, 2, 1 + 1, 1, 1]
