@@ -49,10 +49,10 @@ CALIBRATE_COUNTS = (*range(1, 10), 13, 17, 25, 33, 49, 65)
 CALIBRATE_MAX = 65
 # A count timed at more than SLOWED x a larger count's time was slowed by other work, and is
 # timed again (up to CALIBRATE_RETRIES times, the least kept): a pass of more tokens does not
-# take much less time. Unchecked, a start beside the other services' (16 streams' cluster) timed
-# 1 and 2 tokens at 659 and 704 ms against 69 for 3; read non-decreasing, that profile priced
-# every node up to 17 tokens at nothing, and 16 streams drafted 0.38 accepted tokens a node,
-# at 0.97x plain.
+# take much less time. Unchecked, a verifier starting beside the gateway and scheduler timed 1
+# and 2 tokens at 659 and 704 ms against 69 for 3; read non-decreasing, that profile priced a
+# token at 217 ms and every node up to 13 tokens at nothing, and 16 streams drafted trees that
+# kept 0.38 tokens a node.
 SLOWED = 1.2
 CALIBRATE_RETRIES = 2
 # Steps a sequence waits, at most, before asking the drafter for a model-free tree alone
