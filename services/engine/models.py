@@ -228,7 +228,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
         shapes.pop("lm_head.weight", None)  # (the embedding, loaded into both)
 
     reader = GGUFReader(gguf_path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = reader.fields["general.architecture"].contents()
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(skeleton, processor)
     tensors = [(names[t.name], t) for t in reader.tensors if names.get(t.name) in shapes]

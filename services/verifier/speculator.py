@@ -244,11 +244,12 @@ class Speculator:
                 for n, seconds in measured.items()
                 if any(seconds > SLOWED * measured[m] for m in measured if m > n)
             ]
-            if slowed:
-                log.info(
-                    "verify profile: counts slower than larger ones, timed again",
-                    extra={"ms": {n: round(1000 * measured[n], 2) for n in slowed}},
-                )
+            if not slowed:
+                break
+            log.info(
+                "verify profile: counts slower than larger ones, timed again",
+                extra={"ms": {n: round(1000 * measured[n], 2) for n in slowed}},
+            )
             for n in slowed:
                 measured[n] = min(measured[n], time_pass(n))
         self.policy.cost.calibrate(measured)
