@@ -65,7 +65,9 @@ VERIFY_EWMA = 0.2  # weight of a step in the profile's scale and the round trip
 OUTLIER = 3.0  # a draft step over this many times the usual time per level is left out
 # Before a draft model has taken in any context, what it costs a token is priced at this share
 # of the target's per-token time in its largest calibrated pass (the default draft has a third
-# of the target's parameters); the first catch-up measured replaces it.
+# of the target's parameters); the first catch-up measured replaces it. Before a steady draft
+# step is measured, a draft level is priced at this share of the target's one-token pass (a
+# decode step of a model a third the size); the first one measured replaces it.
 DRAFT_SHARE = 1 / 3
 # Speculation must be expected to beat plain decoding by this share of its rate (a model-free
 # tree: to gain this many tokens net of its time). What the cost model does not see (a draft
@@ -77,6 +79,11 @@ MARGIN = 0.05
 SCORE_BINS = 10
 SCORE_PRIOR_NODES = 8.0
 SCORE_WINDOW_NODES = 2000.0
+# A sequence's own record scales those chances (SequenceScores): the tokens its scored trees
+# got kept against what the service-wide bins expected of them, each tree's weight fading by
+# SEQUENCE_SCORE_DECAY, from SEQUENCE_SCORE_PRIOR expected tokens taken at their word.
+SEQUENCE_SCORE_DECAY = 0.95
+SEQUENCE_SCORE_PRIOR = 1.0
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -117,6 +124,8 @@ class CostModel:
         self.profile.update(seconds_by_tokens)
         largest = max(self.profile)
         self.catch_up_prior = DRAFT_SHARE * self.profile[largest] / largest
+        if not self.draft:  # (a draft level priced as the profile says, not as free)
+            self.coef.c = DRAFT_SHARE * self.profile[min(self.profile)]
         self._points = None
         self._at.clear()
         for tokens, seconds in seconds_by_tokens.items():
@@ -265,10 +274,11 @@ class ScoreCalibration:
         b = (np.asarray(scores, dtype=np.float64) * SCORE_BINS).astype(np.int64)
         return np.clip(b, 0, SCORE_BINS - 1)
 
-    def chances(self, scores) -> np.ndarray:
-        """The chance that the target keeps each node's path, by its score."""
+    def chances(self, scores, factor: float = 1.0) -> np.ndarray:
+        """The chance that the target keeps each node's path, by its score, times `factor`
+        (a sequence's own record: SequenceScores.factor), at most 1."""
         b = self._bins(scores)
-        return self.kept[b] / self.checked[b]
+        return np.minimum(1.0, factor * self.kept[b] / self.checked[b])
 
     def observe(self, scores, kept) -> None:
         """Checked nodes' scores, and whether the target kept each one's path."""
@@ -278,6 +288,27 @@ class ScoreCalibration:
         full = self.checked > SCORE_WINDOW_NODES
         self.kept[full] /= 2
         self.checked[full] /= 2
+
+
+@dataclass
+class SequenceScores:
+    """How far one sequence's scored trees came true against the service-wide calibration:
+    the bins mix kinds of text, and a sequence is mostly one kind. On the side-by-side
+    prompts, prose's suffix trees of 2-5 nodes got about half of what the bins expected kept,
+    each costing a fifth of a step a node, while a code edit's got more than expected.
+    `factor` is (kept + prior) / (expected + prior), older trees fading, so a few trees move
+    it little and a run of them moves it to what they show."""
+
+    kept: float = 0.0
+    expected: float = 0.0
+
+    def observe(self, kept: int, expected: float) -> None:
+        self.kept = SEQUENCE_SCORE_DECAY * self.kept + kept
+        self.expected = SEQUENCE_SCORE_DECAY * self.expected + expected
+
+    @property
+    def factor(self) -> float:
+        return (self.kept + SEQUENCE_SCORE_PRIOR) / (self.expected + SEQUENCE_SCORE_PRIOR)
 
 
 @dataclass
@@ -361,14 +392,17 @@ class AdaptivePolicy:
             budgets.append(k if hit * net[k] - ask >= MARGIN else 0)
         return budgets
 
-    def scored_nodes(self, scores: list[float], tokens: int, rate: float) -> int:
+    def scored_nodes(
+        self, scores: list[float], tokens: int, rate: float, factor: float = 1.0
+    ) -> int:
         """How many of a scored model-free tree's first nodes to check in a pass of `tokens`
-        other tokens: the n whose calibrated chances (the tokens they are expected to add)
-        most exceed what the step's `rate` loses in the time n nodes add, or 0 if that is
-        less than MARGIN tokens. All of them while a token's cost is not measured."""
+        other tokens: the n whose calibrated chances (the tokens they are expected to add;
+        times the sequence's `factor`) most exceed what the step's `rate` loses in the time
+        n nodes add, or 0 if that is less than MARGIN tokens. All of them while a token's
+        cost is not measured."""
         if not scores or not self.cost.known:
             return len(scores)
-        gain = np.concatenate(([0.0], np.cumsum(self.scores.chances(scores))))
+        gain = np.concatenate(([0.0], np.cumsum(self.scores.chances(scores, factor))))
         counts = tokens + np.arange(len(scores) + 1)
         net = gain - rate * (self.cost.verify_seconds(counts) - self.cost.verify_seconds(tokens))
         n = int(np.argmax(net))

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..engine.flat_model import SequenceKV
+from ..speculation.policy import SequenceScores
 from ..speculation.sampling import SamplingParams
 from .constraint import Constraint
 
@@ -64,6 +65,7 @@ class Sequence:
     free_trees: int = 0  # model-free trees checked
     drawn_accepted: int = 0  # draft-model trees
     drawn_tested: int = 0
+    scored: SequenceScores = field(default_factory=SequenceScores)  # scored trees' record
     # Tokens its draft model had taken in when it last grew it a tree (0: never): what it
     # takes in before its next one is the rest (a catch-up, where more than a step's worth).
     drawn_at: int = 0

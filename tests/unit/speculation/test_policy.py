@@ -81,6 +81,21 @@ def test_drafts_that_cost_more_than_they_return_are_turned_off():
     assert policy.budgets([Candidate(8, 0.3)], 0) == [0]
 
 
+def test_a_draft_level_is_priced_from_the_profile_until_a_draft_step_is_measured():
+    """Before any steady draft step, a level costs DRAFT_SHARE of the target's one-token pass
+    (not nothing, which had a fresh verifier's first request draft 5 levels at a time, three
+    times, before the first measured step priced them); the first one measured replaces it."""
+    from specserve.speculation.policy import DRAFT_SHARE
+
+    policy = AdaptivePolicy(8)
+    policy.cost.calibrate({1: 0.042, 2: 0.05, 4: 0.07, 8: 0.13})
+    assert policy.cost.draft_seconds(5, 1) == pytest.approx(5 * DRAFT_SHARE * 0.042)
+    assert policy.budgets([Candidate(8, 0.8)], 0)[0] <= 2
+    for _ in range(3):
+        policy.cost.observe_draft(4, 1, 0.004)
+    assert policy.cost.draft_seconds(4, 1) == pytest.approx(0.004, rel=0.01)
+
+
 def test_a_large_batch_decodes_plainly_where_a_single_sequence_speculates():
     # Compute-bound verification: every extra token costs as much as a fixed step share.
     policy = policy_with(a=0.05, b=0.01, c=0.005, d=0.001)
@@ -127,6 +142,7 @@ def test_a_measured_profile_prices_the_kernels_blocks():
     assert cost.verify_seconds(6) == pytest.approx((0.178 + 0.195) / 2)
     assert cost.verify_seconds(21) == pytest.approx(0.41 + 4 * (0.41 - 0.26) / 8)
     policy.steps = 1
+    cost.coef.c = 0.0  # (a draft model measured as nearly free)
     # Cheap drafts of a good draft model: three nodes (four rows), not the fifth row's block.
     assert policy.budgets([Candidate(8, 0.8)], 0) == [3]
     assert policy.deep_budgets([Candidate(64, 0.8)], 1.8 / 0.097, [1]) == [3]
@@ -321,6 +337,30 @@ def test_a_scored_tree_keeps_the_nodes_that_pay_and_all_while_a_token_is_unprice
     assert policy.scored_nodes(scores, 1, rate) == 3
     assert policy.scored_nodes([0.15, 0.95], 1, rate) == 2  # (a likely child pays for it)
     assert policy.scored_nodes([0.15], 1, rate) == 0
+
+
+def test_a_sequences_record_scales_its_node_chances_and_fades():
+    """SequenceScores: taken at the bins' word at first; trees kept at half of what was
+    expected bring its factor towards a half, older trees fade so a run of good ones lifts it
+    again; a factor below 1 keeps fewer nodes of the same tree, and chances stay at most 1."""
+    from specserve.speculation.policy import SequenceScores
+
+    record = SequenceScores()
+    assert record.factor == 1.0
+    record.observe(0, 1.0)
+    assert 0.4 < record.factor < 1.0  # (one tree moves it part of the way)
+    for _ in range(60):
+        record.observe(1, 2.0)
+    assert record.factor == pytest.approx(0.5, abs=0.03)
+    for _ in range(60):
+        record.observe(4, 2.0)
+    assert record.factor == pytest.approx(2.0, abs=0.1)
+    policy = AdaptivePolicy(8)
+    policy.cost.calibrate({n: 0.05 + 0.01 * n for n in (1, 2, 4, 8, 16)})
+    scores, rate = [0.95, 0.75, 0.45, 0.35], 1 / 0.06
+    assert policy.scored_nodes(scores, 1, rate) == 4
+    assert policy.scored_nodes(scores, 1, rate, factor=0.3) == 2
+    assert policy.scores.chances([0.95], factor=2.0)[0] == 1.0
 
 
 def test_a_noisy_profile_is_read_as_the_closest_one_that_never_falls():

@@ -229,6 +229,26 @@ def test_a_scored_model_free_tree_is_cut_to_the_nodes_whose_calibrated_chances_p
     assert len(kept) == 7
 
 
+def test_a_sequence_whose_scored_trees_come_true_less_than_the_bins_say_checks_fewer_nodes():
+    """The score bins are service-wide; each sequence's own record scales them: two streams
+    get the same trees, the target keeps each path of one and nothing of the other, so the
+    bins read half, and the first checks more of a new tree than the second does (none)."""
+    from specserve.speculation.tree import DraftTree
+
+    speculator, copying = _adaptive()
+    _, prose = _adaptive()
+    scores = [0.75, 0.72, 0.7, 0.68, 0.65, 0.62]
+    tree = DraftTree(list(range(10, 16)), list(range(-1, 5)), model_free=True, scores=scores)
+    for _ in range(30):
+        speculator.observe_acceptance(copying, tree, list(range(len(tree))), len(tree))
+        speculator.observe_acceptance(prose, tree, [], 1)
+    assert copying.scored.factor > 1.5 and prose.scored.factor < 0.1
+    budgets = speculator.budgets([copying])
+    (for_copying,) = speculator._priced([copying], [tree], budgets)
+    (for_prose,) = speculator._priced([prose], [tree], budgets)
+    assert len(for_copying) == len(tree) and len(for_prose) == 0
+
+
 def test_asks_that_keep_nothing_back_off_and_one_that_keeps_a_tree_resets():
     """Each ask for a model-free tree alone is a round trip to the drafter: after asks in a
     row that kept nothing (no match, or nothing that paid) a sequence waits 1, 3, 7, then at
