@@ -3,6 +3,7 @@ GGUF (Q4_K_M), one stream, greedy, the benchmark prompts (code generation, prose
 
     python -m benchmarks.llamacpp [--tokens 128] [--threads 2] [--kinds code prose edit]
                                   [--only NAME ...] [--server PATH] [--out benchmarks/results]
+                                  [--set SECTION.KEY=VALUE ...] [--keep-logs DIR]
 
 Rows, in this order in one run:
 - specserve, config/specserve.yaml's verifier and drafter (dtype auto, hybrid drafting, the
@@ -54,7 +55,7 @@ from specserve.v1 import common_pb2, generation_pb2_grpc
 from . import machine
 from .engine import git_commit
 from .prompts import PROMPTS
-from .spec_bench import cluster_config
+from .spec_bench import cluster_arguments, cluster_config, cluster_dir
 from .spec_bench import stream as cluster_stream
 from .speculative import WARM_UP, timing
 
@@ -157,8 +158,8 @@ def wanted(args, label: str) -> bool:
 
 def run_specserve(args) -> dict[str, dict[str, dict]]:
     results: dict[str, dict[str, dict]] = {f"specserve default, speculation {m}": {} for m in MODES}
-    with tempfile.TemporaryDirectory() as tmp:
-        cluster = LocalCluster(without_security(cluster_config([1], "auto")), Path(tmp))
+    with cluster_dir(args.keep_logs) as tmp:
+        cluster = LocalCluster(without_security(cluster_config([1], "auto", args.set)), Path(tmp))
         try:
             cluster.start(timeout=900)
             with grpc.insecure_channel(cluster.procs["gateway"].address) as channel:
@@ -293,6 +294,7 @@ def main() -> None:
     p.add_argument("--server", help="a llama-server binary instead of building one")
     p.add_argument("--cache", default=ServiceSettings().model_cache_dir)
     p.add_argument("--out", default="benchmarks/results")
+    cluster_arguments(p)
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     llamacpp = any(wanted(args, label) for label in LLAMACPP_ROWS)  # (else nothing to build)

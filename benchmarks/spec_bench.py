@@ -134,6 +134,25 @@ def groups(rows: list[dict], levels: list[int], per_category: int) -> dict[int, 
     return out
 
 
+def cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """--set and --keep-logs, for the benchmarks that start a cluster of the default config."""
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a config key of the cluster (e.g. drafter.proposer=suffix); repeatable",
+    )
+    p.add_argument(
+        "--keep-logs",
+        type=Path,
+        metavar="DIR",
+        help="run the cluster in DIR and keep its logs there (with --set "
+        "verifier.log_level=DEBUG: every step's tree sizes and times, which "
+        "`python -m benchmarks.step_log DIR/verifier.log` sums per request)",
+    )
+
+
 def cluster_dir(keep: Path | None):
     """Where the cluster's config and logs go: `keep` (--keep-logs), kept, or a temporary
     directory, removed with the cluster."""
@@ -220,21 +239,8 @@ def main() -> None:
         default="spec_bench",
         help=f"comma-separated: {', '.join(workloads.NAMES)}, or .jsonl paths (see workloads.py)",
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="a config key of the cluster (e.g. drafter.proposer=suffix); repeatable",
-    )
+    cluster_arguments(p)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument(
-        "--keep-logs",
-        type=Path,
-        metavar="DIR",
-        help="run the cluster in DIR and keep its logs there (with --set "
-        "verifier.log_level=DEBUG: every step's tree sizes and times)",
-    )
     args = p.parse_args()
     streams = sum(int(c) for c in args.concurrency.split(","))
     rows = workloads.rows(args.workload, args.per_category * streams)
