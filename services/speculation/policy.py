@@ -20,7 +20,8 @@ and then the deep budgets (`deep_budgets`: as deep as a node still pays for its 
   (its 56 ms became 94 ms over one 128-token stream through the cluster, with the drafter
   and gateway on the same two cores, and a tree of 2 looked free). Drafting, when any
   sequence drafts, = e + levels * (c + d * drafting sequences), with levels = the largest
-  budget (least squares). Steps that prefill are left out of the verify fit, and steps where
+  budget (least squares; before the first steady draft step, a level at DRAFT_SHARE of the
+  profile's one-token pass). Steps that prefill are left out of the verify fit, and steps where
   a drafter took in a whole prompt out of the draft fit: both costs come once per request,
   not per node.
 - The draft model's catch-up: before a sequence's first draft-model tree, the draft model
@@ -41,7 +42,8 @@ the depth k whose expected extra tokens most exceed what the step's rate loses i
 those k nodes add, if that is at least MARGIN tokens; a scored one (the suffix proposer's,
 each node with its chance that the target keeps the path to it) is cut on arrival to the
 first n nodes whose chances, calibrated by what the target kept of nodes of such scores
-(`ScoreCalibration`), most exceed that time (`scored_nodes`). Requests that pinned a tree
+(`ScoreCalibration`) and scaled by how far the sequence's own scored trees came true
+(`SequenceScores`), most exceed that time (`scored_nodes`). Requests that pinned a tree
 size keep it, and count in the cost. A sequence whose own rate is not measured yet, and
 every sequence on a probe step, is priced with an acceptance of at least EXPLORE_ALPHA: it
 drafts where good drafts would pay, at the size they would pay at, and not where even those
