@@ -20,8 +20,7 @@ and then the deep budgets (`deep_budgets`: as deep as a node still pays for its 
   (its 56 ms became 94 ms over one 128-token stream through the cluster, with the drafter
   and gateway on the same two cores, and a tree of 2 looked free). Drafting, when any
   sequence drafts, = e + levels * (c + d * drafting sequences), with levels = the largest
-  budget (least squares; before the first steady draft step, a level at DRAFT_SHARE of the
-  profile's one-token pass). Steps that prefill are left out of the verify fit, and steps where
+  budget (least squares). Steps that prefill are left out of the verify fit, and steps where
   a drafter took in a whole prompt out of the draft fit: both costs come once per request,
   not per node.
 - The draft model's catch-up: before a sequence's first draft-model tree, the draft model
@@ -67,9 +66,7 @@ VERIFY_EWMA = 0.2  # weight of a step in the profile's scale and the round trip
 OUTLIER = 3.0  # a draft step over this many times the usual time per level is left out
 # Before a draft model has taken in any context, what it costs a token is priced at this share
 # of the target's per-token time in its largest calibrated pass (the default draft has a third
-# of the target's parameters); the first catch-up measured replaces it. Before a steady draft
-# step is measured, a draft level is priced at this share of the target's one-token pass (a
-# decode step of a model a third the size); the first one measured replaces it.
+# of the target's parameters); the first catch-up measured replaces it.
 DRAFT_SHARE = 1 / 3
 # Speculation must be expected to beat plain decoding by this share of its rate (a model-free
 # tree: to gain this many tokens net of its time). What the cost model does not see (a draft
@@ -126,8 +123,6 @@ class CostModel:
         self.profile.update(seconds_by_tokens)
         largest = max(self.profile)
         self.catch_up_prior = DRAFT_SHARE * self.profile[largest] / largest
-        if not self.draft:  # (a draft level priced as the profile says, not as free)
-            self.coef.c = DRAFT_SHARE * self.profile[min(self.profile)]
         self._points = None
         self._at.clear()
         for tokens, seconds in seconds_by_tokens.items():

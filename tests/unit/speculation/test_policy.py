@@ -81,21 +81,6 @@ def test_drafts_that_cost_more_than_they_return_are_turned_off():
     assert policy.budgets([Candidate(8, 0.3)], 0) == [0]
 
 
-def test_a_draft_level_is_priced_from_the_profile_until_a_draft_step_is_measured():
-    """Before any steady draft step, a level costs DRAFT_SHARE of the target's one-token pass
-    (not nothing, which had a fresh verifier's first request draft 5 levels at a time, three
-    times, before the first measured step priced them); the first one measured replaces it."""
-    from specserve.speculation.policy import DRAFT_SHARE
-
-    policy = AdaptivePolicy(8)
-    policy.cost.calibrate({1: 0.042, 2: 0.05, 4: 0.07, 8: 0.13})
-    assert policy.cost.draft_seconds(5, 1) == pytest.approx(5 * DRAFT_SHARE * 0.042)
-    assert policy.budgets([Candidate(8, 0.8)], 0)[0] <= 2
-    for _ in range(3):
-        policy.cost.observe_draft(4, 1, 0.004)
-    assert policy.cost.draft_seconds(4, 1) == pytest.approx(0.004, rel=0.01)
-
-
 def test_a_large_batch_decodes_plainly_where_a_single_sequence_speculates():
     # Compute-bound verification: every extra token costs as much as a fixed step share.
     policy = policy_with(a=0.05, b=0.01, c=0.005, d=0.001)
@@ -142,7 +127,6 @@ def test_a_measured_profile_prices_the_kernels_blocks():
     assert cost.verify_seconds(6) == pytest.approx((0.178 + 0.195) / 2)
     assert cost.verify_seconds(21) == pytest.approx(0.41 + 4 * (0.41 - 0.26) / 8)
     policy.steps = 1
-    cost.coef.c = 0.0  # (a draft model measured as nearly free)
     # Cheap drafts of a good draft model: three nodes (four rows), not the fifth row's block.
     assert policy.budgets([Candidate(8, 0.8)], 0) == [3]
     assert policy.deep_budgets([Candidate(64, 0.8)], 1.8 / 0.097, [1]) == [3]
