@@ -4,6 +4,7 @@ separate processes. Used by `specserve up` and by the tests."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import secrets
 import shutil
@@ -48,8 +49,31 @@ def without_security(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+PORTS_FROM = 20000  # free_port's lowest pick
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, for a service to bind later: a random one below the
+    system's ephemeral range, not one the kernel picks (bind to 0). The kernel's picks come from
+    the range outgoing connections take theirs from, and between the pick and the bind a
+    client's connection once took the gateway's port (it failed to start: address in use)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(PORTS_FROM, max(low, PORTS_FROM + 1000))
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # (every pick taken: the kernel's)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
