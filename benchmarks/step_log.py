@@ -68,11 +68,8 @@ def summary(request_id: str, lines: list[dict], tokens: int) -> dict:
 
 
 def read(path: Path) -> list[dict]:
-    lines = []
-    for text in path.read_text().splitlines():
-        if text.startswith("{"):
-            lines.append(json.loads(text))
-    return lines
+    """The log's JSON lines (a service also prints plain lines, e.g. its ready line)."""
+    return [json.loads(t) for t in path.read_text().splitlines() if t.startswith("{")]
 
 
 def main() -> None:
