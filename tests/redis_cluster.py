@@ -13,26 +13,33 @@ import redis
 from redis.cluster import RedisCluster
 
 from helpers import wait_until
-from specserve.tools.local_cluster import free_port
+from specserve.tools.local_cluster import PORTS_FROM, ephemeral_start, free_port
 
 NODE_TIMEOUT_MS = 1000  # how long a master is unreachable before its replica takes over
 
 
 def _cluster_ports(n: int) -> list[int]:
-    """Free ports whose cluster bus port (+10000) is free too, no node's port the bus port of
-    another (a node whose bus port was a later node's port failed to start)."""
+    """Free ports whose cluster bus port (+10000) is free too and below the ephemeral range
+    (as free_port's own, where no outgoing connection takes it first), no node's port the bus
+    port of another (a node whose bus port was a later node's port failed to start)."""
     ports: list[int] = []
     taken: set[int] = set()  # the chosen ports and their bus ports
-    while len(ports) < n:
+    # (bus ports below the ephemeral range where there is room, else any that fits)
+    top = ephemeral_start() if ephemeral_start() > PORTS_FROM + 10000 + n else 65536
+    for _ in range(2000):
         port = free_port()
-        if port + 10000 > 65535 or port in taken or port + 10000 in taken:
+        if port + 10000 >= top or port in taken or port + 10000 in taken:
             continue
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port + 10000)) == 0:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
                 continue
         ports.append(port)
         taken.update((port, port + 10000))
-    return ports
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} ports with free cluster bus ports (+10000) found")
 
 
 @dataclass

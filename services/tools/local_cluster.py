@@ -53,15 +53,21 @@ PORTS_FROM = 20000  # free_port's lowest pick
 _handed_out: set[int] = set()
 
 
+def ephemeral_start() -> int:
+    """The first port of the range the kernel gives outgoing connections (Linux's default where
+    it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
     """A port nothing listens on, for a service to bind later: a random one below the
     system's ephemeral range, not one the kernel picks (bind to 0). The kernel's picks come from
     the range outgoing connections take theirs from, and between the pick and the bind a
     client's connection once took the gateway's port (it failed to start: address in use)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
+    low = ephemeral_start()
     for _ in range(100):
         port = random.randrange(PORTS_FROM, max(low, PORTS_FROM + 1000))
         if port in _handed_out:
