@@ -5,7 +5,7 @@ on any hardware.
     python -m benchmarks.acceptance [--per-category 2] [--tokens 128] [--dtype auto]
                                     [--workload spec_bench,code_edit,agentic]
                                     [--proposers suffix,ngram,prompt_lookup,chain,tree,hybrid]
-                                    [--out benchmarks/results]
+                                    [--profile VERIFIER_LOG] [--out benchmarks/results]
 
 The workloads (benchmarks/workloads.py; default Spec-Bench's 13 categories, the standard
 library's code edits, 3 categories, and the agentic tool calls): the first --per-category of
@@ -32,6 +32,14 @@ the last 1-2 tokens' latest earlier occurrence, the 10 tokens after it),
 Every proposer takes config/specserve.yaml's drafter settings otherwise.
 Questions are replayed in file order as one tenant, so the suffix tree learns from earlier
 answers as it would in the service.
+
+With --profile (a verifier's log, whose "verify profile measured" line holds the ms of a
+forward pass by its tokens, or a JSON file of such a map), each category also gets its
+`perfect_cut_speedup`: plain decoding's time (a one-token pass a token) over the time of the
+same steps had each tree been cut to exactly its accepted path, both priced by that profile
+(interpolated between its counts). It is what the proposer's trees could give on that machine
+if the policy knew beforehand what the target keeps; drafter time and per-step overheads are
+not counted, so for a draft model it overstates.
 Writes <out>/acceptance.json and <out>/acceptance.png.
 """
 
@@ -41,10 +49,12 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 
@@ -211,17 +221,51 @@ def replay(proposer, name: str, prompt: list[int], output: list[int], qid: int) 
 
     seq_id = f"{name}-{qid}"
     budget = 16 if name == "tree" else MODEL_BUDGET
-    steps = drafted = 0
+    drafted, kept = 0, []
     position = 0
     while position < len(output):
         job = DraftJob(seq_id, prompt + output[:position], budget, deep_budget=DEEP_BUDGET)
         tree = proposer.propose([job])[0]
         drafted += len(tree)
-        position += accepted(tree, output[position:]) + 1  # (and the target's own token)
-        steps += 1
+        kept.append(accepted(tree, output[position:]))
+        position += kept[-1] + 1  # (and the target's own token)
     proposer.forget(seq_id)
     proposer.learn("", prompt + output, len(prompt))
-    return {"steps": steps, "tokens": len(output), "drafted": drafted}
+    return {"steps": len(kept), "tokens": len(output), "drafted": drafted, "kept": kept}
+
+
+def read_profile(path: Path) -> dict[int, float]:
+    """A verify profile (ms of a pass by its tokens): the last "verify profile measured" line
+    of a verifier's log, or a JSON map."""
+    text = path.read_text()
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError:
+        lines = [json.loads(ln) for ln in text.splitlines() if "verify profile measured" in ln]
+        found = lines[-1]["profile"] if lines else None
+    if not isinstance(found, dict) or not found:
+        sys.exit(
+            f"no verify profile in {path}: pass a verifier's log at INFO (its 'verify profile "
+            "measured' line) or a JSON map of ms by tokens"
+        )
+    return {int(n): float(ms) for n, ms in found.items()}
+
+
+def pass_ms(profile: dict[int, float], tokens: int) -> float:
+    """A pass of `tokens` tokens, interpolated in the profile (past its largest count, at the
+    rate of its last two)."""
+    counts = sorted(profile)
+    if tokens <= counts[-1] or len(counts) < 2:
+        return float(np.interp(tokens, counts, [profile[n] for n in counts]))
+    a, b = counts[-2:]
+    return profile[b] + (tokens - b) * (profile[b] - profile[a]) / (b - a)
+
+
+def perfect_cut_speedup(runs: list[dict], profile: dict[int, float]) -> float:
+    """Plain decoding's time over that of the runs' steps with each tree cut to its accepted
+    path, both priced by `profile`."""
+    plain = pass_ms(profile, 1) * sum(r["tokens"] for r in runs)
+    return plain / sum(pass_ms(profile, k + 1) for r in runs for k in r["kept"])
 
 
 def main() -> None:
@@ -237,8 +281,14 @@ def main() -> None:
         default=WORKLOAD,
         help=f"comma-separated: {', '.join(workloads.NAMES)}, or .jsonl paths (see workloads.py)",
     )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="a verifier's log (or JSON of ms by tokens): adds perfect_cut_speedup",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
+    profile = read_profile(args.profile) if args.profile else None
     torch.set_num_threads(args.threads)
     names = args.proposers.split(",")
     unknown = set(names) - set(PROPOSERS)
@@ -265,6 +315,11 @@ def main() -> None:
                 ),
                 "questions": len(runs),
             }
+            | (
+                {"perfect_cut_speedup": round(perfect_cut_speedup(runs, profile), 3)}
+                if profile
+                else {}
+            )
             for category, runs in by_category.items()
         }
         mean = statistics.mean(c["tokens_per_step"] for c in per_category.values())
@@ -272,19 +327,24 @@ def main() -> None:
         print(
             f"{name:>14}: {mean:.2f} tokens/step "
             f"({time.perf_counter() - started:.0f} s) "
-            + " ".join(f"{c}={v['tokens_per_step']}" for c, v in per_category.items()),
+            + " ".join(
+                f"{c}={v['tokens_per_step']}"
+                + (f" (cut {v['perfect_cut_speedup']}x)" if profile else "")
+                for c, v in per_category.items()
+            ),
             flush=True,
         )
         del proposer
     record = {
         "command": f"python -m benchmarks.acceptance --per-category {args.per_category} "
         f"--tokens {args.tokens} --dtype {args.dtype} --proposers {args.proposers} "
-        f"--workload {args.workload}",
+        f"--workload {args.workload}" + (f" --profile {args.profile}" if profile else ""),
         "python": platform.python_version(),  # (the code_edit workload's source is its stdlib)
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "target_version": version,
         "questions": [r["question_id"] for r in rows],
         "budgets": {"draft_model": MODEL_BUDGET, "tree": 16, "model_free": DEEP_BUDGET},
+        "verify_profile_ms": profile,
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,8 @@ turns[, system]}), by name:
   between Python versions: results name the interpreter.
 - `agentic`: one tenant's requests sharing a tool schema (benchmarks.agentic's system message
   of three JSON Schema tools, and its requests in order), category `agentic`.
+- `prompts`: the side-by-side benchmarks' three prompts (benchmarks.prompts: code generation,
+  prose, a code edit), each its own category.
 
 A path to a .jsonl file of such rows is a workload too. `rows("spec_bench,code_edit", n)`
 takes the first n of every category of each, in order.
@@ -27,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared/workloads/spec_bench/question.jsonl"
-NAMES = ("spec_bench", "code_edit", "agentic")
+NAMES = ("spec_bench", "code_edit", "agentic", "prompts")
 
 EDIT_MODULES = (
     "bisect", "calendar", "colorsys", "difflib", "fnmatch", "fractions", "heapq",
@@ -70,6 +72,12 @@ def _all(name: str) -> list[dict]:
         return [
             {"question_id": f"agentic-{i}", "category": "agentic", "system": TOOLS, "turns": [a]}
             for i, a in enumerate(ASKS)
+        ]
+    if name == "prompts":
+        from .prompts import PROMPTS
+
+        return [
+            {"question_id": f"prompt-{k}", "category": k, "turns": [t]} for k, t in PROMPTS.items()
         ]
     path = Path(name)
     if path.suffix == ".jsonl":

@@ -45,6 +45,34 @@ def test_workloads_combine_by_name_first_rows_of_each_category():
     assert [m["role"] for m in workloads.messages(rows[0])] == ["user"]
 
 
+def test_the_side_by_side_prompts_are_a_workload_of_a_category_each():
+    from benchmarks.prompts import PROMPTS
+
+    rows = workloads.rows("prompts", 1)
+    assert [r["category"] for r in rows] == list(PROMPTS)
+    assert [r["turns"] for r in rows] == [[t] for t in PROMPTS.values()]
+
+
+def test_a_perfect_cut_prices_each_step_by_its_accepted_path(tmp_path):
+    from benchmarks.acceptance import pass_ms, perfect_cut_speedup, read_profile
+
+    log = tmp_path / "verifier.log"
+    log.write_text(
+        '{"msg": "ready"}\n'
+        '{"msg": "verify profile measured (ms by tokens in a pass)", '
+        '"profile": {"1": 40.0, "2": 50.0, "4": 60.0, "8": 100.0}}\n'
+    )
+    profile = read_profile(log)
+    assert profile == {1: 40.0, 2: 50.0, 4: 60.0, 8: 100.0}
+    assert pass_ms(profile, 3) == 55.0 and pass_ms(profile, 10) == 120.0  # (past 8: its slope)
+    # 8 tokens in 3 steps that kept 3, 0 and 2 drafts: 40 ms a token plain, 60 + 40 + 55 cut
+    runs = [{"tokens": 8, "kept": [3, 0, 2]}]
+    assert perfect_cut_speedup(runs, profile) == pytest.approx(8 * 40 / 155)
+    (tmp_path / "other.log").write_text('{"msg": "ready"}\n{"msg": "stopped"}\n')
+    with pytest.raises(SystemExit, match="no verify profile in .*other.log: pass a verifier's"):
+        read_profile(tmp_path / "other.log")
+
+
 def test_a_missing_file_or_unknown_name_says_what_to_pass(tmp_path):
     with pytest.raises(SystemExit, match="unknown workload 'prose'.*spec_bench, code_edit"):
         workloads.rows("prose", 1)
