@@ -41,8 +41,8 @@ the depth k whose expected extra tokens most exceed what the step's rate loses i
 those k nodes add, if that is at least MARGIN tokens; a scored one (the suffix proposer's,
 each node with its chance that the target keeps the path to it) is cut on arrival to the
 first n nodes whose chances, calibrated by what the target kept of nodes of such scores
-(`ScoreCalibration`) and scaled by how far the sequence's own scored trees came true
-(`SequenceScores`), most exceed that time (`scored_nodes`). Requests that pinned a tree
+(`ScoreCalibration`) and refined, bin by bin, by how the sequence's own scored nodes came
+true (`SequenceScores`), most exceed that time (`scored_nodes`). Requests that pinned a tree
 size keep it, and count in the cost. A sequence whose own rate is not measured yet, and
 every sequence on a probe step, is priced with an acceptance of at least EXPLORE_ALPHA: it
 drafts where good drafts would pay, at the size they would pay at, and not where even those
@@ -53,7 +53,7 @@ its first token while at most one other sequence would draft; see Speculator.bud
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -78,11 +78,11 @@ MARGIN = 0.05
 SCORE_BINS = 10
 SCORE_PRIOR_NODES = 8.0
 SCORE_WINDOW_NODES = 2000.0
-# A sequence's own record scales those chances (SequenceScores): the tokens its scored trees
-# got kept against what the service-wide bins expected of them, each tree's weight fading by
-# SEQUENCE_SCORE_DECAY, from SEQUENCE_SCORE_PRIOR expected tokens taken at their word.
+# A sequence's own record refines those chances bin by bin (SequenceScores): its checked nodes
+# of a bin, each tree's weight fading by SEQUENCE_SCORE_DECAY, with the service-wide chance
+# counted as SEQUENCE_SCORE_PRIOR nodes.
 SEQUENCE_SCORE_DECAY = 0.95
-SEQUENCE_SCORE_PRIOR = 1.0
+SEQUENCE_SCORE_PRIOR = 2.0
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -271,11 +271,12 @@ class ScoreCalibration:
         b = (np.asarray(scores, dtype=np.float64) * SCORE_BINS).astype(np.int64)
         return np.clip(b, 0, SCORE_BINS - 1)
 
-    def chances(self, scores, factor: float = 1.0) -> np.ndarray:
-        """The chance that the target keeps each node's path, by its score, times `factor`
-        (a sequence's own record: SequenceScores.factor), at most 1."""
+    def chances(self, scores, record: SequenceScores | None = None) -> np.ndarray:
+        """The chance that the target keeps each node's path, by its score (refined by a
+        sequence's own `record`)."""
         b = self._bins(scores)
-        return np.minimum(1.0, factor * self.kept[b] / self.checked[b])
+        service = self.kept[b] / self.checked[b]
+        return service if record is None else record.refine(b, service)
 
     def observe(self, scores, kept) -> None:
         """Checked nodes' scores, and whether the target kept each one's path."""
@@ -289,23 +290,31 @@ class ScoreCalibration:
 
 @dataclass
 class SequenceScores:
-    """How far one sequence's scored trees came true against the service-wide calibration:
-    the bins mix kinds of text, and a sequence is mostly one kind. Without it, the benchmark
+    """How one sequence's scored nodes came true, by the same bins as ScoreCalibration: the
+    bins mix kinds of text, and a sequence is mostly one kind. Without it, the benchmark
     prompts' prose stream checked 20-21 suffix trees of 39-40 nodes and kept 5-6 tokens, the
-    bins pricing its short matches by what the code edit's copies had kept; with it, one tree
-    of 3 nodes. `factor` is (kept + prior) / (expected + prior), older trees fading, so a few
-    trees move it little and a run of them moves it to what they show."""
+    bins pricing its short matches by what the code edit's copies had kept. Kept by bin, not
+    as one factor over all of them: as one factor, an edit's first tree (a short match on a
+    rewritten line, none of its nodes kept) scaled every later chance to a quarter, so a
+    64-node copy whose nodes scored 0.9 and more was cut to nothing, and with nothing checked
+    the record never moved again; nodes of a long match fall in bins that short ones do not."""
 
-    kept: float = 0.0
-    expected: float = 0.0
+    kept: np.ndarray = field(default_factory=lambda: np.zeros(SCORE_BINS))
+    checked: np.ndarray = field(default_factory=lambda: np.zeros(SCORE_BINS))
 
-    def observe(self, kept: int, expected: float) -> None:
-        self.kept = SEQUENCE_SCORE_DECAY * self.kept + kept
-        self.expected = SEQUENCE_SCORE_DECAY * self.expected + expected
+    def observe(self, scores, kept) -> None:
+        """A checked tree's node scores, and whether the target kept each one's path."""
+        self.kept *= SEQUENCE_SCORE_DECAY
+        self.checked *= SEQUENCE_SCORE_DECAY
+        b = ScoreCalibration._bins(scores)
+        np.add.at(self.checked, b, 1.0)
+        np.add.at(self.kept, b, np.asarray(kept, dtype=np.float64))
 
-    @property
-    def factor(self) -> float:
-        return (self.kept + SEQUENCE_SCORE_PRIOR) / (self.expected + SEQUENCE_SCORE_PRIOR)
+    def refine(self, bins: np.ndarray, service: np.ndarray) -> np.ndarray:
+        """The chances of nodes in `bins`, from the service-wide ones (`service`) and what
+        this sequence's nodes of those bins did."""
+        prior = SEQUENCE_SCORE_PRIOR
+        return (self.kept[bins] + prior * service) / (self.checked[bins] + prior)
 
 
 @dataclass
@@ -390,16 +399,20 @@ class AdaptivePolicy:
         return budgets
 
     def scored_nodes(
-        self, scores: list[float], tokens: int, rate: float, factor: float = 1.0
+        self,
+        scores: list[float],
+        tokens: int,
+        rate: float,
+        record: SequenceScores | None = None,
     ) -> int:
         """How many of a scored model-free tree's first nodes to check in a pass of `tokens`
         other tokens: the n whose calibrated chances (the tokens they are expected to add;
-        times the sequence's `factor`) most exceed what the step's `rate` loses in the time
-        n nodes add, or 0 if that is less than MARGIN tokens. All of them while a token's
-        cost is not measured."""
+        refined by the sequence's `record`) most exceed what the step's `rate` loses in the
+        time n nodes add, or 0 if that is less than MARGIN tokens. All of them while a
+        token's cost is not measured."""
         if not scores or not self.cost.known:
             return len(scores)
-        gain = np.concatenate(([0.0], np.cumsum(self.scores.chances(scores, factor))))
+        gain = np.concatenate(([0.0], np.cumsum(self.scores.chances(scores, record))))
         counts = tokens + np.arange(len(scores) + 1)
         net = gain - rate * (self.cost.verify_seconds(counts) - self.cost.verify_seconds(tokens))
         n = int(np.argmax(net))

@@ -274,8 +274,7 @@ class Speculator:
         if self.policy is not None and tree.scores:
             kept = np.zeros(len(tree), dtype=bool)
             kept[accepted] = True
-            expected = float(self.policy.scores.chances(tree.scores).sum())
-            seq.scored.observe(len(accepted), expected)
+            seq.scored.observe(tree.scores, kept)
             self.policy.scores.observe(tree.scores, kept)
         accepted = len(accepted)
         if log.isEnabledFor(logging.DEBUG):
@@ -347,7 +346,7 @@ class Speculator:
 
     def _priced(self, seqs: list[Sequence], trees: list[DraftTree], budgets) -> list[DraftTree]:
         """Each model-free tree cut to what pays in this step: a scored one to the first
-        nodes whose calibrated chances, scaled by the sequence's own record (SequenceScores),
+        nodes whose calibrated chances, refined by the sequence's own record (SequenceScores),
         pay for their time (AdaptivePolicy.scored_nodes, in a pass of the step's other
         tokens and the trees kept before it); an unscored one (an
         n-gram match, the fallback's too) to the deep budget the policy priced by the
@@ -359,9 +358,7 @@ class Speculator:
         for seq, tree, (k, _), priced in zip(seqs, trees, budgets, step.deep, strict=True):
             if tree.model_free and seq.tree_size is None:
                 if tree.scores:
-                    n = self.policy.scored_nodes(
-                        tree.scores, tokens - k, step.rate, seq.scored.factor
-                    )
+                    n = self.policy.scored_nodes(tree.scores, tokens - k, step.rate, seq.scored)
                 else:
                     n = priced
                 tree = tree.prefix(n)

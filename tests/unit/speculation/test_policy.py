@@ -323,28 +323,32 @@ def test_a_scored_tree_keeps_the_nodes_that_pay_and_all_while_a_token_is_unprice
     assert policy.scored_nodes([0.15], 1, rate) == 0
 
 
-def test_a_sequences_record_scales_its_node_chances_and_fades():
-    """SequenceScores: taken at the bins' word at first; trees kept at half of what was
-    expected bring its factor towards a half, older trees fade so a run of good ones lifts it
-    again; a factor below 1 keeps fewer nodes of the same tree, and chances stay at most 1."""
+def test_a_sequences_record_refines_the_chances_of_its_bins_and_fades():
+    """SequenceScores: the service-wide chances at first; nodes of a bin that the target
+    rejected bring that bin's chance down for the sequence alone, and leave other bins as
+    they were (a miss on a short match does not price a long one); older trees fade, so a
+    run of kept nodes lifts the bin again. A lowered bin keeps fewer nodes of the same tree."""
     from specserve.speculation.policy import SequenceScores
 
-    record = SequenceScores()
-    assert record.factor == 1.0
-    record.observe(0, 1.0)
-    assert 0.4 < record.factor < 1.0  # (one tree moves it part of the way)
-    for _ in range(60):
-        record.observe(1, 2.0)
-    assert record.factor == pytest.approx(0.5, abs=0.03)
-    for _ in range(60):
-        record.observe(4, 2.0)
-    assert record.factor == pytest.approx(2.0, abs=0.1)
     policy = AdaptivePolicy(8)
     policy.cost.calibrate({n: 0.05 + 0.01 * n for n in (1, 2, 4, 8, 16)})
-    scores, rate = [0.95, 0.75, 0.45, 0.35], 1 / 0.06
+    record = SequenceScores()
+    scores = [0.95, 0.75, 0.45, 0.35]
+    service = policy.scores.chances(scores)
+    assert list(policy.scores.chances(scores, record)) == pytest.approx(list(service))
+    record.observe([0.75, 0.45, 0.35], [False, False, False])
+    refined = policy.scores.chances(scores, record)
+    assert refined[0] == pytest.approx(service[0])  # (no node of its bin checked)
+    assert all(refined[1:] < 0.7 * service[1:])
+    for _ in range(60):
+        record.observe([0.45], [True])
+    assert policy.scores.chances([0.45], record)[0] > 0.9  # (the prior weighs 2 of ~22 nodes)
+    rate = 1 / 0.06
     assert policy.scored_nodes(scores, 1, rate) == 4
-    assert policy.scored_nodes(scores, 1, rate, factor=0.3) == 2
-    assert policy.scores.chances([0.95], factor=2.0)[0] == 1.0
+    low = SequenceScores()
+    for _ in range(10):
+        low.observe([0.75, 0.45, 0.35], [False, False, False])
+    assert policy.scored_nodes(scores, 1, rate, low) == 1
 
 
 def test_a_noisy_profile_is_read_as_the_closest_one_that_never_falls():

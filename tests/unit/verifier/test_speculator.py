@@ -230,7 +230,7 @@ def test_a_scored_model_free_tree_is_cut_to_the_nodes_whose_calibrated_chances_p
 
 
 def test_a_sequence_whose_scored_trees_come_true_less_than_the_bins_say_checks_fewer_nodes():
-    """The score bins are service-wide; each sequence's own record scales them: two streams
+    """The score bins are service-wide; each sequence's own record refines them: two streams
     get the same trees, the target keeps each path of one and nothing of the other, so the
     bins read half, and the first checks more of a new tree than the second does (none)."""
     from specserve.speculation.tree import DraftTree
@@ -242,11 +242,28 @@ def test_a_sequence_whose_scored_trees_come_true_less_than_the_bins_say_checks_f
     for _ in range(30):
         speculator.observe_acceptance(copying, tree, list(range(len(tree))), len(tree))
         speculator.observe_acceptance(prose, tree, [], 1)
-    assert copying.scored.factor > 1.5 and prose.scored.factor < 0.1
+    chances = speculator.policy.scores.chances
+    assert all(chances(scores, copying.scored) > 0.9) and all(chances(scores, prose.scored) < 0.1)
     budgets = speculator.budgets([copying])
     (for_copying,) = speculator._priced([copying], [tree], budgets)
     (for_prose,) = speculator._priced([prose], [tree], budgets)
     assert len(for_copying) == len(tree) and len(for_prose) == 0
+
+
+def test_a_miss_on_a_short_match_does_not_cut_a_later_long_one():
+    """An edit's first suffix trees (short matches on lines it rewrites: middling scores)
+    are rejected whole; a later tree of a long copy (scores of 0.9 and more) is still
+    checked, where one factor over all bins had cut it, and every one after it, to nothing."""
+    from specserve.speculation.tree import DraftTree
+
+    speculator, seq = _adaptive()
+    short = DraftTree([5, 6, 7, 8], [-1, 0, 1, 2], model_free=True, scores=[0.75, 0.6, 0.5, 0.43])
+    for _ in range(2):
+        speculator.observe_acceptance(seq, short, [], 1)
+    scores = [0.97, 0.94, 0.91, 0.89, 0.86, 0.84]
+    copy = DraftTree(list(range(10, 16)), list(range(-1, 5)), model_free=True, scores=scores)
+    (kept,) = speculator._priced([seq], [copy], speculator.budgets([seq]))
+    assert len(kept) == len(copy)
 
 
 def test_asks_that_keep_nothing_back_off_and_one_that_keeps_a_tree_resets():
