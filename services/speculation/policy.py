@@ -254,6 +254,12 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
     return [float(v) for v in coef]
 
 
+def score_bins(scores) -> np.ndarray:
+    """Each node score's bin of SCORE_BINS (ScoreCalibration's and SequenceScores')."""
+    b = (np.asarray(scores, dtype=np.float64) * SCORE_BINS).astype(np.int64)
+    return np.clip(b, 0, SCORE_BINS - 1)
+
+
 class ScoreCalibration:
     """How often the target keeps the path to a model-free node, by the score its proposer
     gave the node (histogram binning, service-wide): per bin of the score, the share of the
@@ -266,21 +272,16 @@ class ScoreCalibration:
         self.kept = SCORE_PRIOR_NODES * (np.arange(SCORE_BINS) + 0.5) / SCORE_BINS
         self.checked = np.full(SCORE_BINS, SCORE_PRIOR_NODES)
 
-    @staticmethod
-    def _bins(scores) -> np.ndarray:
-        b = (np.asarray(scores, dtype=np.float64) * SCORE_BINS).astype(np.int64)
-        return np.clip(b, 0, SCORE_BINS - 1)
-
     def chances(self, scores, record: SequenceScores | None = None) -> np.ndarray:
         """The chance that the target keeps each node's path, by its score (refined by a
         sequence's own `record`)."""
-        b = self._bins(scores)
+        b = score_bins(scores)
         service = self.kept[b] / self.checked[b]
         return service if record is None else record.refine(b, service)
 
     def observe(self, scores, kept) -> None:
         """Checked nodes' scores, and whether the target kept each one's path."""
-        b = self._bins(scores)
+        b = score_bins(scores)
         np.add.at(self.checked, b, 1.0)
         np.add.at(self.kept, b, np.asarray(kept, dtype=np.float64))
         full = self.checked > SCORE_WINDOW_NODES
@@ -306,7 +307,7 @@ class SequenceScores:
         """A checked tree's node scores, and whether the target kept each one's path."""
         self.kept *= SEQUENCE_SCORE_DECAY
         self.checked *= SEQUENCE_SCORE_DECAY
-        b = ScoreCalibration._bins(scores)
+        b = score_bins(scores)
         np.add.at(self.checked, b, 1.0)
         np.add.at(self.kept, b, np.asarray(kept, dtype=np.float64))
 
