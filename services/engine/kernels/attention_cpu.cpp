@@ -3,11 +3,19 @@
 // query rows, masked-out entries skipped rather than computed. float32, AVX2 and FMA.
 //
 // For each new token (a row of q) and each KV head, the token's query heads that share it
-// (grouped-query attention) are scored against every entry its mask lets it see; softmax in
-// float with the row's maximum subtracted; then the values weighted and summed. Work is split
-// by (sequence, KV head), and a sequence's tokens go kRows at a time, so that each key and
-// value read from the pool serves every query head of kRows tokens (a tree's tokens share
-// their prefix): at 4,000 tokens of context a 16-node tree's step took 465 -> 406 ms.
+// (grouped-query attention) are scored against its entries, 8 entries a head at a time
+// (scores8), entries its mask hides set to -inf; softmax in float with the row's maximum
+// subtracted; then the values weighted and summed, the sums of 64 of a head's values in
+// registers over a span of entries (weighted_chunk). Work is split by (sequence, KV head), and
+// a sequence's tokens go kRows at a time, so that each key and value read from the pool
+// serves every query head of kRows tokens (a tree's tokens share their prefix). Passes over
+// the pool ask the cache for entries kAhead on: a sequence's entries lie a whole entry of every
+// KV head apart, and the hardware prefetcher stops at each 4 KiB page.
+//
+// The default target's shapes, one sequence's step over 28 layers from a pool larger than the
+// caches (`python -m benchmarks.paged_attention`, 2 threads, AMD EPYC): at 4,000 entries one
+// token took 27-40 -> 18-21 ms and a 7-token chain 89-105 -> 59-65 ms against the kernel that
+// scored one entry at a time and accumulated values with a run-time lane count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -31,65 +39,77 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// All-ones lanes for the first `count` entries from j that `visible` (null: all) shows.
-inline __m256 live(const bool* visible, int64_t j, int64_t count) {
-  alignas(32) int32_t on[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int64_t i = 0; i < count; ++i) on[i] = (visible == nullptr || visible[j + i]) ? -1 : 0;
-  return _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(on)));
+inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// Scores of G query heads (q: G rows of d) against one key k, times scale, into s[0, stride,
-// ..]: each the key's dot product with its head, in 8 lanes summed in order, then sum8; the G
-// chains run side by side (one chain's adds wait on each other, G do not).
-template <int G>
-inline void scores_of(const float* q, const float* k, int64_t d, float scale, float* s,
-                      int64_t stride) {
-  __m256 acc[G];
-  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+// Scores of one query head (q: d floats) against 8 keys (ks: their d floats each), times
+// scale: 8 dot products side by side, each in 8 lanes summed in order, then reduced by pairs
+// ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) for all 8 at once. Each key's score is the same
+// whichever of the 8 places it takes, so a token's scores do not depend on its pass.
+inline __m256 scores8(const float* q, const float* const* ks, int64_t d, float scale) {
+  __m256 a[8];
+  for (int n = 0; n < 8; ++n) a[n] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
-    const __m256 kv = _mm256_loadu_ps(k + i);
-    for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, acc[g]);
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int n = 0; n < 8; ++n) a[n] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(ks[n] + i), a[n]);
   }
-  for (int g = 0; g < G; ++g) s[g * stride] = sum8(acc[g]) * scale;
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                    _mm256_permute2f128_ps(u0, u1, 0x31));
+  return _mm256_mul_ps(sums, _mm256_set1_ps(scale));
 }
 
-// scores_of for any count of heads, up to 8 at a time.
-inline void key_scores(const float* q, const float* k, int64_t heads, int64_t d, float scale,
-                       float* s, int64_t stride) {
-  for (int64_t h = 0; h < heads; h += 8) {
-    const float* qh = q + h * d;
-    float* sh = s + h * stride;
-    switch (std::min<int64_t>(8, heads - h)) {
-      case 8: scores_of<8>(qh, k, d, scale, sh, stride); break;
-      case 7: scores_of<7>(qh, k, d, scale, sh, stride); break;
-      case 6: scores_of<6>(qh, k, d, scale, sh, stride); break;
-      case 5: scores_of<5>(qh, k, d, scale, sh, stride); break;
-      case 4: scores_of<4>(qh, k, d, scale, sh, stride); break;
-      case 3: scores_of<3>(qh, k, d, scale, sh, stride); break;
-      case 2: scores_of<2>(qh, k, d, scale, sh, stride); break;
-      default: scores_of<1>(qh, k, d, scale, sh, stride); break;
-    }
-  }
+constexpr int64_t kAhead = 8;  // entries ahead that a pass over the pool asks the cache for
+
+// Asks the cache for `bytes` from `at` (a key's or value's lines, read a few entries later:
+// a sequence's entries lie a whole entry of every KV head apart, so the hardware's own
+// prefetcher, which stops at each 4 KiB page, misses most of them).
+inline void prefetch(const float* at, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(at);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
 }
 
-// acc[0, d) += sum over entries [j0, j1) that `visible` shows, in order, of p[j] * value j (64
-// of the d values at a time, their sums in registers): each element the same chain of
-// multiply-adds as one accumulated in memory entry by entry.
+// acc[0, 8 * LANES) += sum over entries [j0, j1) that `visible` shows, in order, of p[j] *
+// value j's first 8 * LANES values (vp: the chunk's start in entry 0), the sums in registers:
+// each element the same chain of multiply-adds as one accumulated in memory entry by entry.
+template <int LANES>
+inline void weighted_chunk(const float* p, const float* vp, const int64_t* seq_slots,
+                           int64_t entry, const bool* visible, int64_t j0, int64_t j1,
+                           int64_t length, float* acc, bool fetch) {
+  __m256 sum[LANES];
+  for (int i = 0; i < LANES; ++i) sum[i] = _mm256_loadu_ps(acc + i * 8);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (fetch && j + kAhead < length) prefetch(vp + seq_slots[j + kAhead] * entry, LANES * 32);
+    if (visible != nullptr && !visible[j]) continue;
+    const float* v = vp + seq_slots[j] * entry;
+    const __m256 w = _mm256_set1_ps(p[j]);
+    for (int i = 0; i < LANES; ++i) sum[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i * 8), sum[i]);
+  }
+  for (int i = 0; i < LANES; ++i) _mm256_storeu_ps(acc + i * 8, sum[i]);
+}
+
+// acc[0, d) += sum over entries [j0, j1) of p[j] * value j: weighted_chunk over 64 of the d
+// values at a time. `fetch`: ask the cache for the values kAhead entries on.
 inline void weighted_values(const float* p, const float* vp, const int64_t* seq_slots,
                             int64_t entry, const bool* visible, int64_t j0, int64_t j1,
-                            int64_t d, float* acc) {
+                            int64_t length, int64_t d, float* acc, bool fetch) {
   for (int64_t c = 0; c < d; c += 64) {
-    const int64_t lanes = std::min<int64_t>(64, d - c) / 8;
-    __m256 sum[8];
-    for (int i = 0; i < 8; ++i) sum[i] = i < lanes ? _mm256_loadu_ps(acc + c + i * 8) : _mm256_setzero_ps();
-    for (int64_t j = j0; j < j1; ++j) {
-      if (visible != nullptr && !visible[j]) continue;
-      const float* v = vp + seq_slots[j] * entry + c;
-      const __m256 w = _mm256_set1_ps(p[j]);
-      for (int i = 0; i < 8; ++i)
-        if (i < lanes) sum[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i * 8), sum[i]);
+    const float* v = vp + c;
+    float* a = acc + c;
+    switch (std::min<int64_t>(64, d - c) / 8) {
+      case 8: weighted_chunk<8>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
+      case 7: weighted_chunk<7>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
+      case 6: weighted_chunk<6>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
+      case 5: weighted_chunk<5>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
+      case 4: weighted_chunk<4>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
+      case 3: weighted_chunk<3>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
+      case 2: weighted_chunk<2>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
+      default: weighted_chunk<1>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
     }
-    for (int i = 0; i < lanes; ++i) _mm256_storeu_ps(acc + c + i * 8, sum[i]);
   }
 }
 
@@ -148,7 +168,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at
   at::parallel_for(0, b_count * kv_heads, 1, [&](int64_t w0, int64_t w1) {
     const int64_t stride = (length + 7) / 8 * 8;  // a head's scores, whole lanes
     std::vector<float> scores(kRows * group * stride);
-    std::vector<float> acc(kRows * group * d), top(kRows * group), total(kRows * group);
+    std::vector<float> acc(kRows * group * d), total(kRows * group);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / kv_heads, kvh = w % kv_heads;
       const int64_t* seq_slots = sp + b * length;
@@ -162,26 +182,40 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at
           visible[i] = masked ? mp + (b * n_max + n) * length : nullptr;
           qr[i] = qp + (r * heads + kvh * group) * d;
         }
-        const auto sees = [&](int64_t i, int64_t j) { return visible[i] == nullptr || visible[i][j]; };
-        std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
-        for (int64_t j = 0; j < length; ++j) {
-          const float* k = kp + seq_slots[j] * entry + kvh * d;
-          for (int64_t i = 0; i < rows; ++i) {
-            if (!sees(i, j)) continue;
-            float* si = scores.data() + i * group * stride;
-            key_scores(qr[i], k, group, d, sc, si + j, stride);
+        // Scores 8 entries at a time (past the end: the last entry again, never read), each
+        // block of keys serving every query head of the chunk's tokens; then an entry a token
+        // does not see scores -inf.
+        for (int64_t j0 = 0; j0 < length; j0 += 8) {
+          const float* ks[8];
+          for (int64_t n = 0; n < 8; ++n)
+            ks[n] = kp + seq_slots[std::min(j0 + n, length - 1)] * entry + kvh * d;
+          for (int64_t n = kAhead; n < kAhead + 8 && j0 + n < length; ++n)
+            prefetch(kp + seq_slots[j0 + n] * entry + kvh * d, d * 4);
+          for (int64_t i = 0; i < rows; ++i)
             for (int64_t h = 0; h < group; ++h)
-              top[i * group + h] = std::max(top[i * group + h], si[h * stride + j]);
-          }
+              _mm256_storeu_ps(scores.data() + (i * group + h) * stride + j0,
+                               scores8(qr[i] + h * d, ks, d, sc));
+        }
+        const float inf = std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < rows; ++i) {
+          float* si = scores.data() + i * group * stride;
+          for (int64_t j = length; j < stride; ++j)
+            for (int64_t h = 0; h < group; ++h) si[h * stride + j] = -inf;
+          if (visible[i] == nullptr) continue;
+          for (int64_t j = 0; j < length; ++j)
+            if (!visible[i][j])
+              for (int64_t h = 0; h < group; ++h) si[h * stride + j] = -inf;
         }
         for (int64_t i = 0; i < rows; ++i) {
           for (int64_t h = 0; h < group; ++h) {
             float* s = scores.data() + (i * group + h) * stride;
-            const __m256 m = _mm256_set1_ps(top[i * group + h]);
+            __m256 top = _mm256_set1_ps(-inf);
+            for (int64_t j = 0; j < stride; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + j));
+            const __m256 m = _mm256_set1_ps(max8(top)), none = _mm256_set1_ps(-inf);
             __m256 sum = _mm256_setzero_ps();
-            for (int64_t j = 0; j < length; j += 8) {  // entry j in lane j % 8, whatever L is
-              const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m)),
-                                             live(visible[i], j, std::min<int64_t>(8, length - j)));
+            for (int64_t j = 0; j < stride; j += 8) {  // entry j in lane j % 8, whatever L is
+              const __m256 x = _mm256_loadu_ps(s + j);
+              const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, none, _CMP_NEQ_OQ));
               _mm256_storeu_ps(s + j, e);
               sum = _mm256_add_ps(sum, e);
             }
@@ -194,7 +228,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at
           for (int64_t i = 0; i < rows; ++i)
             for (int64_t h = 0; h < group; ++h)
               weighted_values(scores.data() + (i * group + h) * stride, vp + kvh * d, seq_slots,
-                              entry, visible[i], j0, j1, d, acc.data() + (i * group + h) * d);
+                              entry, visible[i], j0, j1, length, d,
+                              acc.data() + (i * group + h) * d, i == 0 && h == 0);
         }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t r = tokens[c0 + i];

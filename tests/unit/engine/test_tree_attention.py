@@ -156,6 +156,41 @@ def test_the_paged_kernel_gives_a_sequence_the_same_bits_whatever_its_batch():
 
 
 @CPU_KERNELS
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 2, 128), (14, 2, 64), (4, 4, 8)])
+@pytest.mark.parametrize("context", [1, 13, 301])
+def test_the_paged_kernel_is_attention_and_a_chain_token_gets_its_decode_steps_bits(
+    heads, kv_heads, head_dim, context
+):
+    """The default target's and draft model's head shapes (and a small one), contexts that
+    fill no whole block of 8 entries, entries scattered through the pool: each token of a
+    5-token chain matches float64 attention over what it sees, and has the same bits as the
+    same token decoded alone, one step after the other."""
+    kernels.load()
+    g = torch.Generator().manual_seed(context)
+    keys, values = (torch.randn(400, kv_heads, head_dim, generator=g) for _ in range(2))
+    slots = torch.randperm(400, generator=g)[: context + 5][None]
+    q = torch.randn(5, heads, head_dim, generator=g)
+    mask = torch.ones(1, 1, 5, context + 5, dtype=torch.bool)
+    mask[0, 0, :, context:] = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    scale = head_dim**-0.5
+    chain = torch.ops.specserve.paged_attention(
+        q, keys, values, slots, mask, torch.arange(5), scale
+    )
+    none = torch.empty(0, dtype=torch.long)
+    for i in range(5):
+        seen = slots[0, : context + i + 1]
+        alone = torch.ops.specserve.paged_attention(
+            q[i : i + 1], keys, values, seen[None], none, none, scale
+        )
+        assert torch.equal(chain[i], alone[0])
+        k = keys[seen].double().repeat_interleave(heads // kv_heads, dim=1)  # [n, heads, d]
+        v = values[seen].double().repeat_interleave(heads // kv_heads, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * scale, dim=-1)
+        expected = torch.einsum("hn,nhd->hd", weights, v).float()
+        torch.testing.assert_close(chain[i], expected, atol=1e-5, rtol=1e-5)
+
+
+@CPU_KERNELS
 def test_paged_attention_where_it_cannot_run_is_refused_and_auto_takes_padded(tiny_model_dir):
     half = models.load_model(tiny_model_dir, "cpu", "bfloat16")  # (the kernel reads float32)
     assert FlatModel(half, attention="auto").attention == "padded"

@@ -1,0 +1,130 @@
+"""The engine's CPU attention kernel (`specserve::paged_attention`) alone, a step's calls over
+every layer, by context length and by the tokens a sequence's step adds.
+
+    python -m benchmarks.paged_attention [--label L] [--model target|draft] [--threads 2]
+                                         [--contexts 300,1000,2000,4000] [--tokens 1,4,7]
+                                         [--reps 7] [--out benchmarks/results/paged_attention.json]
+
+One sequence's step as the engine calls it: for each layer, its queries [tokens, heads,
+head_dim] against the sequence's entries in that layer's part of a KV pool laid out as the
+engine's ([layers, slots, kv_heads, head_dim] float32, each layer's entries a few MB, so that a
+step reads them from memory as a decode step does, not from a cache a repeated call warmed),
+with a tree step's mask (each new token sees the context and the tokens before it) where it
+adds more than one token. Shapes: `target` is the default target's (28 layers, 12 heads, 2 KV
+heads, head_dim 128), `draft` the default draft model's (24, 14, 2, 64). Each figure is the
+median of --reps steps. The kernel is built from this checkout's sources, so two revisions are
+compared by running this on each in turns; results merge into --out under --label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {"target": (28, 12, 2, 128), "draft": (24, 14, 2, 64)}  # layers, heads, KV heads, d
+
+
+def step_ms(pool_k, pool_v, queries, slots, mask, rows, reps: int) -> float:
+    """The median over `reps` of one step's calls, one per layer, in milliseconds."""
+    scale = queries.shape[-1] ** -0.5
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        for layer in range(pool_k.shape[0]):
+            torch.ops.specserve.paged_attention(
+                queries, pool_k[layer], pool_v[layer], slots, mask, rows, scale
+            )
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def run(args) -> dict:
+    from specserve.engine import kernels
+
+    kernels.load()
+    torch.set_num_threads(args.threads)
+    layers, heads, kv_heads, d = SHAPES[args.model]
+    slots_total = max(args.contexts) + max(args.tokens)
+    gen = torch.Generator().manual_seed(0)
+    pool_k = torch.randn(layers, slots_total, kv_heads, d, generator=gen)
+    pool_v = torch.randn(layers, slots_total, kv_heads, d, generator=gen)
+    none = torch.empty(0, dtype=torch.long)
+    cases = []
+    for context in args.contexts:
+        for tokens in args.tokens:
+            length = context + tokens
+            slots = torch.arange(length)[None]
+            queries = torch.randn(tokens, heads, d, generator=gen)
+            mask, rows = none, none
+            if tokens > 1:  # a chain's mask: the context, then the new tokens causally
+                mask = torch.ones(1, 1, tokens, length, dtype=torch.bool)
+                mask[0, 0, :, context:] = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool))
+                rows = torch.arange(tokens)
+            ms = step_ms(pool_k, pool_v, queries, slots, mask, rows, args.reps)
+            cases.append({"context": context, "tokens": tokens, "step_ms": round(ms, 3)})
+            print(f"context {context:>5}, {tokens} tokens: {ms:7.2f} ms a step", flush=True)
+    return {
+        "model": args.model,
+        "shape": dict(
+            zip(("layers", "heads", "kv_heads", "head_dim"), SHAPES[args.model], strict=True)
+        ),
+        "threads": args.threads,
+        "commit": _commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cases": cases,
+    }
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "services"]).returncode
+        return out.stdout.strip() + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated whole numbers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: each at least 1")
+    return values
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--label", default="latest", help="the key this run's results merge under")
+    p.add_argument("--model", choices=sorted(SHAPES), default="target")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--contexts", type=_ints, default=[300, 1000, 2000, 4000])
+    p.add_argument("--tokens", type=_ints, default=[1, 4, 7], help="new tokens a step")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/paged_attention.json"))
+    args = p.parse_args()
+    try:
+        result = run(args)
+    except Exception as e:  # (the kernels need a C++ compiler and an x86 CPU with AVX2)
+        raise SystemExit(f"paged_attention: {type(e).__name__}: {e}") from e
+    merged = json.loads(args.out.read_text()) if args.out.exists() else {}
+    merged[args.label] = result
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(merged, indent=1) + "\n")
+    print(f"wrote {args.out} ({args.label})")
+
+
+if __name__ == "__main__":
+    main()
