@@ -3,7 +3,8 @@ every layer, by context length and by the tokens a sequence's step adds.
 
     python -m benchmarks.paged_attention [--label L] [--model target|draft] [--threads 2]
                                          [--contexts 300,1000,2000,4000] [--tokens 1,4,7]
-                                         [--reps 7] [--out benchmarks/results/paged_attention.json]
+                                         [--reps 7] [--forward] [--dtype int4]
+                                         [--out benchmarks/results/paged_attention.json]
 
 One sequence's step as the engine calls it: for each layer, its queries [tokens, heads,
 head_dim] against the sequence's entries in that layer's part of a KV pool laid out as the
@@ -12,8 +13,10 @@ step reads them from memory as a decode step does, not from a cache a repeated c
 with a tree step's mask (each new token sees the context and the tokens before it) where it
 adds more than one token. Shapes: `target` is the default target's (28 layers, 12 heads, 2 KV
 heads, head_dim 128), `draft` the default draft model's (24, 14, 2, 64). Each figure is the
-median of --reps steps. The kernel is built from this checkout's sources, so two revisions are
-compared by running this on each in turns; results merge into --out under --label.
+median of --reps steps. With --forward, the whole forward pass of the default target (--dtype)
+is timed the same way after a prompt of each context length: what the kernel's share is
+worth to a decode or chain step. The kernel is built from this checkout's sources, so two
+revisions are compared by running this on each in turns; results merge into --out under --label.
 """
 
 from __future__ import annotations
@@ -43,6 +46,39 @@ def step_ms(pool_k, pool_v, queries, slots, mask, rows, reps: int) -> float:
             )
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
+
+
+def forward_cases(args) -> list[dict]:
+    """The default target's forward pass (FlatModel, --dtype) of --tokens new tokens after a
+    prompt of each --contexts length: the median of --reps steps, each from the same KV."""
+    from specserve.common.settings import ModelRef, ServiceSettings
+    from specserve.engine import models
+    from specserve.engine.flat_model import FlatModel, Segment
+
+    path, _ = models.resolve(ModelRef(), ServiceSettings.load(None).model_cache_dir)
+    hf = models.load_model(path, "cpu", args.dtype)
+    flat, _ = FlatModel.prepare(
+        hf, compile=False, key="--forward", kv_tokens=max(args.contexts) + 64
+    )
+    cases = []
+    for context in args.contexts:
+        kv = flat.new_kv()
+        for start in range(0, context, 512):  # (prompt chunks, as the verifier feeds them)
+            flat.forward(
+                [Segment(kv, [100 + i % 5000 for i in range(start, min(context, start + 512))])]
+            )
+        for tokens in args.tokens:
+            times = []
+            for _ in range(args.reps):
+                kv.truncate(context)
+                started = time.perf_counter()
+                flat.forward([Segment(kv, list(range(500, 500 + tokens)))])
+                times.append(time.perf_counter() - started)
+            ms = statistics.median(times) * 1e3
+            cases.append({"context": context, "tokens": tokens, "forward_ms": round(ms, 2)})
+            print(f"forward, context {context:>5}, {tokens} tokens: {ms:7.2f} ms", flush=True)
+        kv.free()
+    return cases
 
 
 def run(args) -> dict:
@@ -81,7 +117,7 @@ def run(args) -> dict:
         "python": platform.python_version(),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cases": cases,
-    }
+    } | ({"dtype": args.dtype, "forward": forward_cases(args)} if args.forward else {})
 
 
 def _commit() -> str:
@@ -113,6 +149,8 @@ def main() -> None:
     p.add_argument("--contexts", type=_ints, default=[300, 1000, 2000, 4000])
     p.add_argument("--tokens", type=_ints, default=[1, 4, 7], help="new tokens a step")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--forward", action="store_true", help="also time the default target's pass")
+    p.add_argument("--dtype", default="int4", help="the default target's, with --forward")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/paged_attention.json"))
     args = p.parse_args()
     try:
