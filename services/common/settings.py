@@ -668,6 +668,13 @@ class DrafterSettings(ServiceSettings):
     sample_support: int = Field(
         default=32, ge=1, description="Tokens kept in the draft distribution of sampled trees."
     )
+    draft_vocab: int = Field(
+        default=0,
+        ge=0,
+        description="The draft model's LM head computes the logits of this many tokens, the "
+        "lowest ids (a BPE tokenizer numbers its tokens most frequent first), and of every "
+        "added token; the others are never drafted. 0: the whole vocabulary.",
+    )
     ngram_min: int = Field(default=1, ge=1, description="Shortest suffix the n-gram matches.")
     ngram_max: int = Field(default=4, ge=1, description="Longest suffix the n-gram matches.")
     ngram_depth: int = Field(

@@ -10,6 +10,7 @@ depend on what was drawn. A chain is branching=1."""
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from dataclasses import dataclass
 
@@ -22,9 +23,12 @@ from ..drafter.metrics import COMPILED_GRAPHS
 from ..engine import models
 from ..engine.batch import to_device
 from ..engine.flat_model import CompileFailed, FlatModel, Segment, SequenceKV
+from ..engine.head import keep_head_rows
 from .grammar import Follower, GrammarError, Grammars, apply_masks
 from .proposer import DraftJob, Proposer, TreeShape, shape_of
 from .tree import DraftTree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +55,28 @@ def model_path(settings: DrafterSettings):
     if settings.draft_model_path:
         ref = ModelRef(path=settings.draft_model_path)
     return models.resolve(ref, settings.model_cache_dir)[0]
+
+
+def vocab_ids(tokenizer, vocab: int, keep: int) -> torch.Tensor:
+    """The token ids a draft head of `keep` tokens computes, ascending: the `keep` lowest
+    (the order a BPE tokenizer learned its tokens in, most frequent pairs first) and every
+    added token (chat markers, end of text), all below `vocab`."""
+    added = [i for i in tokenizer.added_tokens_decoder if keep <= i < vocab]
+    return torch.tensor(sorted({*range(min(keep, vocab)), *added}), dtype=torch.long)
+
+
+def keep_vocab(hf_model, tokenizer, keep: int) -> None:
+    """Cuts the draft model's LM head to `vocab_ids` (logged); a head that cannot be cut is
+    left whole, with a warning."""
+    vocab = hf_model.config.vocab_size
+    ids = vocab_ids(tokenizer, vocab, keep)
+    if keep_head_rows(hf_model, ids):
+        log.info("draft head cut", extra={"tokens": len(ids), "vocabulary": vocab})
+    elif len(ids) < vocab:
+        log.warning(
+            "drafter.draft_vocab: this head's layout cannot be cut by rows; it stays whole",
+            extra={"head": type(hf_model.get_output_embeddings()).__name__},
+        )
 
 
 def with_dtype(settings: DrafterSettings) -> DrafterSettings:
@@ -84,16 +110,20 @@ class DraftModelProposer(Proposer):
     @classmethod
     def from_settings(cls, settings: DrafterSettings) -> DraftModelProposer:
         path = model_path(settings)
+        tokenizer = models.load_tokenizer(path)
+        hf = models.load_model(path, settings.device, settings.dtype, setting="drafter.dtype")
+        if settings.draft_vocab:
+            keep_vocab(hf, tokenizer, settings.draft_vocab)
         try:
             model, _ = FlatModel.prepare(
-                models.load_model(path, settings.device, settings.dtype, setting="drafter.dtype"),
+                hf,
                 compile=settings.compile,
                 key="drafter.compile",
                 on_graph=lambda _: COMPILED_GRAPHS.inc(),
             )
         except CompileFailed as e:
             raise ConfigError(str(e)) from e
-        grammars = Grammars(models.load_tokenizer(path), model.hf.config.vocab_size)
+        grammars = Grammars(tokenizer, hf.config.vocab_size)
         return cls(model, shape_of(settings), settings.sample_support, grammars)
 
     def forget(self, seq_id: str) -> None:
