@@ -3,12 +3,14 @@ every layer, by context length and by the tokens a sequence's step adds.
 
     python -m benchmarks.paged_attention [--label L] [--model target|draft] [--threads 2]
                                          [--contexts 300,1000,2000,4000] [--tokens 1,4,7]
+                                         [--layout head|slot]
                                          [--reps 7] [--forward] [--dtype int4]
                                          [--out benchmarks/results/paged_attention.json]
 
 One sequence's step as the engine calls it: for each layer, its queries [tokens, heads,
 head_dim] against the sequence's entries in that layer's part of a KV pool laid out as the
-engine's ([layers, slots, kv_heads, head_dim] float32, each layer's entries a few MB, so that a
+engine's ([layers, slots, kv_heads, head_dim] float32 stored head by head, or with --layout
+slot slot by slot as before; each layer's entries a few MB, so that a
 step reads them from memory as a decode step does, not from a cache a repeated call warmed),
 with a tree step's mask (each new token sees the context and the tokens before it) where it
 adds more than one token. Shapes: `target` is the default target's (28 layers, 12 heads, 2 KV
@@ -81,6 +83,15 @@ def forward_cases(args) -> list[dict]:
     return cases
 
 
+def pool_tensor(shape: tuple[int, ...], layout: str, gen: torch.Generator) -> torch.Tensor:
+    """A [layers, slots, kv_heads, head_dim] pool tensor of random entries, stored head by
+    head as the engine's (`head`) or slot by slot (`slot`, the engine's layout before)."""
+    from specserve.engine.kv_cache import head_major
+
+    tensor = head_major(shape, torch.float32, "cpu") if layout == "head" else torch.empty(shape)
+    return tensor.copy_(torch.randn(shape, generator=gen))
+
+
 def run(args) -> dict:
     from specserve.engine import kernels
 
@@ -89,8 +100,8 @@ def run(args) -> dict:
     layers, heads, kv_heads, d = SHAPES[args.model]
     slots_total = max(args.contexts) + max(args.tokens)
     gen = torch.Generator().manual_seed(0)
-    pool_k = torch.randn(layers, slots_total, kv_heads, d, generator=gen)
-    pool_v = torch.randn(layers, slots_total, kv_heads, d, generator=gen)
+    shape = (layers, slots_total, kv_heads, d)
+    pool_k, pool_v = (pool_tensor(shape, args.layout, gen) for _ in range(2))
     none = torch.empty(0, dtype=torch.long)
     cases = []
     for context in args.contexts:
@@ -112,6 +123,7 @@ def run(args) -> dict:
             zip(("layers", "heads", "kv_heads", "head_dim"), SHAPES[args.model], strict=True)
         ),
         "threads": args.threads,
+        "layout": args.layout,
         "commit": _commit(),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -146,6 +158,12 @@ def main() -> None:
     p.add_argument("--label", default="latest", help="the key this run's results merge under")
     p.add_argument("--model", choices=sorted(SHAPES), default="target")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--layout",
+        choices=("head", "slot"),
+        default="head",
+        help="the pool stored head by head (the engine's) or slot by slot (before)",
+    )
     p.add_argument("--contexts", type=_ints, default=[300, 1000, 2000, 4000])
     p.add_argument("--tokens", type=_ints, default=[1, 4, 7], help="new tokens a step")
     p.add_argument("--reps", type=int, default=7)

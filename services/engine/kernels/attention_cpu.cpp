@@ -9,13 +9,15 @@
 // registers over a span of entries (weighted_chunk). Work is split by (sequence, KV head), and
 // a sequence's tokens go kRows at a time, so that each key and value read from the pool
 // serves every query head of kRows tokens (a tree's tokens share their prefix). Passes over
-// the pool ask the cache for entries kAhead on: a sequence's entries lie a whole entry of every
-// KV head apart, and the hardware prefetcher stops at each 4 KiB page.
+// the pool ask the cache for entries kAhead on (the hardware prefetcher stops at each 4 KiB
+// page). The engine's pool is stored head by head (kv_cache.head_major), so a thread's entries
+// lie in one run; any strides are read.
 //
 // The default target's shapes, one sequence's step over 28 layers from a pool larger than the
 // caches (`python -m benchmarks.paged_attention`, 2 threads, AMD EPYC): at 4,000 entries one
 // token took 27-40 -> 18-21 ms and a 7-token chain 89-105 -> 59-65 ms against the kernel that
-// scored one entry at a time and accumulated values with a run-time lane count.
+// scored one entry at a time and accumulated values with a run-time lane count, on a pool
+// stored slot by slot; stored head by head, 13.0-14.5 and 54-55 ms.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -66,8 +68,7 @@ inline __m256 scores8(const float* q, const float* const* ks, int64_t d, float s
 constexpr int64_t kAhead = 8;  // entries ahead that a pass over the pool asks the cache for
 
 // Asks the cache for `bytes` from `at` (a key's or value's lines, read a few entries later:
-// a sequence's entries lie a whole entry of every KV head apart, so the hardware's own
-// prefetcher, which stops at each 4 KiB page, misses most of them).
+// the hardware's own prefetcher stops at each 4 KiB page, a few entries apart).
 inline void prefetch(const float* at, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(at);
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
@@ -78,14 +79,14 @@ inline void prefetch(const float* at, int64_t bytes) {
 // each element the same chain of multiply-adds as one accumulated in memory entry by entry.
 template <int LANES>
 inline void weighted_chunk(const float* p, const float* vp, const int64_t* seq_slots,
-                           int64_t entry, const bool* visible, int64_t j0, int64_t j1,
+                           int64_t slot_stride, const bool* visible, int64_t j0, int64_t j1,
                            int64_t length, float* acc, bool fetch) {
   __m256 sum[LANES];
   for (int i = 0; i < LANES; ++i) sum[i] = _mm256_loadu_ps(acc + i * 8);
   for (int64_t j = j0; j < j1; ++j) {
-    if (fetch && j + kAhead < length) prefetch(vp + seq_slots[j + kAhead] * entry, LANES * 32);
+    if (fetch && j + kAhead < length) prefetch(vp + seq_slots[j + kAhead] * slot_stride, LANES * 32);
     if (visible != nullptr && !visible[j]) continue;
-    const float* v = vp + seq_slots[j] * entry;
+    const float* v = vp + seq_slots[j] * slot_stride;
     const __m256 w = _mm256_set1_ps(p[j]);
     for (int i = 0; i < LANES; ++i) sum[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i * 8), sum[i]);
   }
@@ -95,20 +96,20 @@ inline void weighted_chunk(const float* p, const float* vp, const int64_t* seq_s
 // acc[0, d) += sum over entries [j0, j1) of p[j] * value j: weighted_chunk over 64 of the d
 // values at a time. `fetch`: ask the cache for the values kAhead entries on.
 inline void weighted_values(const float* p, const float* vp, const int64_t* seq_slots,
-                            int64_t entry, const bool* visible, int64_t j0, int64_t j1,
+                            int64_t slot_stride, const bool* visible, int64_t j0, int64_t j1,
                             int64_t length, int64_t d, float* acc, bool fetch) {
   for (int64_t c = 0; c < d; c += 64) {
     const float* v = vp + c;
     float* a = acc + c;
     switch (std::min<int64_t>(64, d - c) / 8) {
-      case 8: weighted_chunk<8>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
-      case 7: weighted_chunk<7>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
-      case 6: weighted_chunk<6>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
-      case 5: weighted_chunk<5>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
-      case 4: weighted_chunk<4>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
-      case 3: weighted_chunk<3>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
-      case 2: weighted_chunk<2>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
-      default: weighted_chunk<1>(p, v, seq_slots, entry, visible, j0, j1, length, a, fetch); break;
+      case 8: weighted_chunk<8>(p, v, seq_slots, slot_stride, visible, j0, j1, length, a, fetch); break;
+      case 7: weighted_chunk<7>(p, v, seq_slots, slot_stride, visible, j0, j1, length, a, fetch); break;
+      case 6: weighted_chunk<6>(p, v, seq_slots, slot_stride, visible, j0, j1, length, a, fetch); break;
+      case 5: weighted_chunk<5>(p, v, seq_slots, slot_stride, visible, j0, j1, length, a, fetch); break;
+      case 4: weighted_chunk<4>(p, v, seq_slots, slot_stride, visible, j0, j1, length, a, fetch); break;
+      case 3: weighted_chunk<3>(p, v, seq_slots, slot_stride, visible, j0, j1, length, a, fetch); break;
+      case 2: weighted_chunk<2>(p, v, seq_slots, slot_stride, visible, j0, j1, length, a, fetch); break;
+      default: weighted_chunk<1>(p, v, seq_slots, slot_stride, visible, j0, j1, length, a, fetch); break;
     }
   }
 }
@@ -116,7 +117,8 @@ inline void weighted_values(const float* p, const float* vp, const int64_t* seq_
 constexpr int64_t kRows = 4;  // a sequence's tokens that share each read of a key and value
 constexpr int64_t kSpan = 64;  // entries whose values stay in L1 while every token takes them
 
-// q [t, H, D]; keys, values [S, KVH, D] (one layer's pool); slots [B, L] (entry j of sequence
+// q [t, H, D]; keys, values [S, KVH, D] (one layer's pool, any strides but 1 between an
+// entry's D values: the engine's pool is stored head by head); slots [B, L] (entry j of sequence
 // b is at slot slots[b, j]); mask [B, 1, N, L] bool, or empty: every token sees all L entries;
 // query_rows [t]: padded row b * N + n of each token (empty: B == 1, token r is row r).
 // -> [t, H, D].
@@ -124,10 +126,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at
                            const at::Tensor& slots, const at::Tensor& mask,
                            const at::Tensor& query_rows, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_attention: q must be float32 [t, H, D]");
-  TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == at::kFloat && keys.is_contiguous() &&
-                  values.sizes() == keys.sizes() && values.scalar_type() == at::kFloat &&
-                  values.is_contiguous(),
-              "paged_attention: keys and values must be contiguous float32 [S, KVH, D]");
+  TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == at::kFloat && keys.stride(2) == 1 &&
+                  values.sizes() == keys.sizes() && values.strides() == keys.strides() &&
+                  values.scalar_type() == at::kFloat,
+              "paged_attention: keys and values must be float32 [S, KVH, D], strided alike, "
+              "each entry's D values contiguous");
   const int64_t t = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = keys.size(1);
   TORCH_CHECK(keys.size(2) == d && d % 8 == 0 && heads % kv_heads == 0,
               "paged_attention: head_dim must match and divide by 8, heads by KV heads");
@@ -153,7 +156,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at
   const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
   const int64_t* rp = indexed ? query_rows.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t group = heads / kv_heads, entry = kv_heads * d;
+  const int64_t group = heads / kv_heads;
+  const int64_t slot_stride = keys.stride(0), head_stride = keys.stride(1);  // (floats)
   const float sc = static_cast<float>(scale);
 
   std::vector<std::vector<int64_t>> rows_of(b_count);  // each sequence's tokens
@@ -188,9 +192,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at
         for (int64_t j0 = 0; j0 < length; j0 += 8) {
           const float* ks[8];
           for (int64_t n = 0; n < 8; ++n)
-            ks[n] = kp + seq_slots[std::min(j0 + n, length - 1)] * entry + kvh * d;
+            ks[n] = kp + seq_slots[std::min(j0 + n, length - 1)] * slot_stride + kvh * head_stride;
           for (int64_t n = kAhead; n < kAhead + 8 && j0 + n < length; ++n)
-            prefetch(kp + seq_slots[j0 + n] * entry + kvh * d, d * 4);
+            prefetch(kp + seq_slots[j0 + n] * slot_stride + kvh * head_stride, d * 4);
           for (int64_t i = 0; i < rows; ++i)
             for (int64_t h = 0; h < group; ++h)
               _mm256_storeu_ps(scores.data() + (i * group + h) * stride + j0,
@@ -227,8 +231,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const at
           const int64_t j1 = std::min(length, j0 + kSpan);
           for (int64_t i = 0; i < rows; ++i)
             for (int64_t h = 0; h < group; ++h)
-              weighted_values(scores.data() + (i * group + h) * stride, vp + kvh * d, seq_slots,
-                              entry, visible[i], j0, j1, length, d,
+              weighted_values(scores.data() + (i * group + h) * stride, vp + kvh * head_stride, seq_slots,
+                              slot_stride, visible[i], j0, j1, length, d,
                               acc.data() + (i * group + h) * d, i == 0 && h == 0);
         }
         for (int64_t i = 0; i < rows; ++i) {

@@ -11,6 +11,7 @@ from helpers import make_sequence
 from specserve.engine import kernels, models
 from specserve.engine.batch import Batch
 from specserve.engine.flat_model import FlatModel, Segment, UnsupportedAttention
+from specserve.engine.kv_cache import head_major
 from specserve.speculation.tree import DraftTree
 from specserve.verifier.runner import tree_segment
 
@@ -162,12 +163,18 @@ def test_the_paged_kernel_is_attention_and_a_chain_token_gets_its_decode_steps_b
     heads, kv_heads, head_dim, context
 ):
     """The default target's and draft model's head shapes (and a small one), contexts that
-    fill no whole block of 8 entries, entries scattered through the pool: each token of a
+    fill no whole block of 8 entries, entries scattered through a pool stored head by head
+    (the engine's; the test above reads one stored slot by slot): each token of a
     5-token chain matches float64 attention over what it sees, and has the same bits as the
     same token decoded alone, one step after the other."""
     kernels.load()
     g = torch.Generator().manual_seed(context)
-    keys, values = (torch.randn(400, kv_heads, head_dim, generator=g) for _ in range(2))
+    keys, values = (
+        head_major((1, 400, kv_heads, head_dim), torch.float32, "cpu")[0].copy_(
+            torch.randn(400, kv_heads, head_dim, generator=g)
+        )
+        for _ in range(2)
+    )
     slots = torch.randperm(400, generator=g)[: context + 5][None]
     q = torch.randn(5, heads, head_dim, generator=g)
     mask = torch.ones(1, 1, 5, context + 5, dtype=torch.bool)
