@@ -42,6 +42,9 @@ DEVICE_KIND = DEVICE.partition(":")[0]  # as model versions name it: cuda:1 is c
 CPU_KERNELS_RUN = DEVICE == "cpu" and kernels.cpu_supported()
 CPU_KERNELS_WHY_NOT = "the engine's CPU kernels: x86 with AVX2, the CPU as the test device"
 CPU_KERNELS = pytest.mark.skipif(not CPU_KERNELS_RUN, reason=CPU_KERNELS_WHY_NOT)
+# The kind a model version names for float32 activations (float32, int8, int4 weights): on a
+# CPU with the engine's kernels, their paged attention and the revision of its rounding.
+F32_KIND = f"cpu-paged{kernels.PAGED_ATTENTION_ROUNDING}" if CPU_KERNELS_RUN else DEVICE_KIND
 NOISE = 2.0
 
 

@@ -27,17 +27,11 @@ class SubsetHead(nn.Module):
         self.rows = rows
         self.register_buffer("ids", ids)
         self.vocab = vocab
-        # (the lowest ids kept in a run: one slice copy instead of an index copy)
-        self.run = int(ids.shape[0]) if torch.equal(ids, torch.arange(len(ids))) else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kept = self.rows(x)
         out = kept.new_full((*kept.shape[:-1], self.vocab), -torch.inf)
-        if self.run:
-            out[..., : self.run] = kept
-        else:
-            out.index_copy_(-1, self.ids, kept)
-        return out
+        return out.index_copy_(-1, self.ids, kept)
 
 
 @torch.no_grad()
@@ -45,16 +39,8 @@ def rows_of(layer: nn.Module, ids: torch.Tensor) -> nn.Module | None:
     """A copy of a linear layer with only the output channels `ids`, or None where its kind
     keeps its outputs in a layout that cannot be cut by rows (torch's packed int4)."""
     if type(layer) in (nn.Linear, WideLinear):
-        cut = nn.Linear(layer.in_features, len(ids), bias=layer.bias is not None)
-        cut.__class__ = type(layer)
-        weight = layer.weight[ids].contiguous()
-        if weight.device.type == "cpu":  # column-major, as FlatModel keeps a CPU head (gemm.py)
-            weight = weight.t().contiguous().t()
-        cut.weight = nn.Parameter(weight, requires_grad=False)
-        if layer.bias is not None:
-            cut.bias = nn.Parameter(layer.bias[ids].contiguous(), requires_grad=False)
-        return cut
-    if isinstance(layer, Int8Linear):
+        names = ("weight",)
+    elif isinstance(layer, Int8Linear):
         names = ("codes", "scales")
     elif isinstance(layer, Int4Linear) and layer.layout == "blocks":
         names = ("packed", "scale_offset")
@@ -64,7 +50,13 @@ def rows_of(layer: nn.Module, ids: torch.Tensor) -> nn.Module | None:
     nn.Module.__init__(cut)
     cut.__dict__.update({k: v for k, v in layer.__dict__.items() if not k.startswith("_")})
     for name in names:
-        cut.register_buffer(name, getattr(layer, name)[ids].contiguous())
+        rows = getattr(layer, name)[ids].contiguous()
+        if name == "weight":
+            if rows.device.type == "cpu":  # column-major, as FlatModel keeps a CPU head
+                rows = rows.t().contiguous().t()
+            cut.weight = nn.Parameter(rows, requires_grad=False)
+        else:
+            cut.register_buffer(name, rows)
     cut.bias = None if layer.bias is None else nn.Parameter(layer.bias[ids], requires_grad=False)
     cut.out_features = len(ids)
     return cut

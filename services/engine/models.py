@@ -393,13 +393,20 @@ def served_version(
     `qwen2.5-coder-1.5b-instruct@0.2.0:cc324af070c2:bfloat16:cpu`. Equal strings mean
     identical greedy outputs (in float32; see docs/design/engine.md on bfloat16). int4 on a
     CPU where the engine's kernel does not run (engine/quant.py: int4_layout) is
-    `int4-torch`: torch's kernel rounds differently. A CPU running torch's padded attention
-    where the engine's paged kernel applies (float32 activations: verifier.attention, or the
-    kernels not built) is `cpu-padded`."""
+    `int4-torch`: torch's kernel rounds differently. Where the engine's paged attention kernel
+    applies (a CPU, float32 activations), the kind names it and the revision of its rounding
+    (`cpu-paged2`: kernels.PAGED_ATTENTION_ROUNDING); torch's padded attention there
+    (verifier.attention, or the kernels not built) is `cpu-padded`."""
+    from . import kernels
+
     name = Path(ref.path).name if ref.path else f"{ref.name}@{ref.version}"
     kind = device.partition(":")[0]
-    if kind == "cpu" and attention == "padded" and dtype in ("float32", "int8", "int4"):
-        kind = "cpu-padded"
+    if kind == "cpu" and dtype in ("float32", "int8", "int4"):
+        kind = (
+            "cpu-padded"
+            if attention == "padded"
+            else f"cpu-paged{kernels.PAGED_ATTENTION_ROUNDING}"
+        )
     if dtype == "int4" and kind.startswith("cpu"):
         import torch
 

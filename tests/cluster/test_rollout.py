@@ -16,7 +16,7 @@ import uuid
 import grpc
 import pytest
 
-from conftest import DEVICE_KIND, cluster_config
+from conftest import F32_KIND, cluster_config
 from helpers import request, wait_until
 from specserve.common.pools import CANARY, STABLE, bucket, choose_pool, pool_shares
 from specserve.common.settings import SchedulerSettings
@@ -232,7 +232,7 @@ def test_each_pool_reports_its_version(stub, store):
     assert set(pools) == {STABLE, CANARY}
     assert pools[STABLE].model_versions != pools[CANARY].model_versions  # other weights
     name = info.name.rsplit("/", 1)[-1]
-    assert pools[STABLE].model_versions == [f"{name}:{info.sha256[:12]}:float32:{DEVICE_KIND}"]
+    assert pools[STABLE].model_versions == [f"{name}:{info.sha256[:12]}:float32:{F32_KIND}"]
     assert (pools[STABLE].share, pools[CANARY].share) == (1.0, 0.0)
     report = rollout.status(store)
     assert report["pools"][CANARY]["versions"] == list(pools[CANARY].model_versions)

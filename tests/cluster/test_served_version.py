@@ -10,7 +10,7 @@ import signal
 import pytest
 import redis
 
-from conftest import DEVICE_KIND
+from conftest import DEVICE_KIND, F32_KIND
 from helpers import generate, request, wait_until
 from specserve.common.pools import CANARY, STABLE
 from specserve.common.settings import ModelRef, VerifierSettings
@@ -33,7 +33,9 @@ def test_two_dtypes_are_two_versions_with_two_cache_keys(tiny_model_dir):
     by_dtype = {dtype: served(tiny_model_dir, dtype=dtype) for dtype in DTYPES}
     versions = {dtype: s.version for dtype, s in by_dtype.items()}
     assert versions["float32"] != versions["bfloat16"]
-    assert versions["float32"].endswith(":float32:cpu")
+    # (the engine's paged attention kernel names the revision of its rounding; bfloat16 on
+    # a CPU runs torch's attention)
+    assert versions["float32"].endswith(f":float32:{F32_KIND}")
     assert versions["bfloat16"].endswith(":bfloat16:cpu")
     assert len({s.sha256 for s in by_dtype.values()}) == 1  # the same weights
     greedy = scheduler_pb2.SubmitRequest(prompt_ids=[1, 2, 3], max_tokens=5)
@@ -43,11 +45,11 @@ def test_two_dtypes_are_two_versions_with_two_cache_keys(tiny_model_dir):
     on_gpu = models.served_version(
         ref, by_dtype["float32"].sha256, dtype="float32", device="cuda:1"
     )
-    assert on_gpu == versions["float32"].removesuffix(":cpu") + ":cuda"
+    assert on_gpu == versions["float32"].removesuffix(f":{F32_KIND}") + ":cuda"
     assert served(tiny_model_dir, port=1, batch_size=2).version == versions["float32"]
     # torch's padded attention on a CPU rounds differently from the engine's paged kernel
     padded = Served.of(VerifierSettings(model=ref), by_dtype["float32"].sha256, "padded")
-    assert padded.version == versions["float32"] + "-padded"
+    assert padded.version == versions["float32"].removesuffix(f":{F32_KIND}") + ":cpu-padded"
 
 
 def test_int4_on_torchs_kernel_is_a_version_of_its_own(tiny_model_dir, monkeypatch):
@@ -58,11 +60,9 @@ def test_int4_on_torchs_kernel_is_a_version_of_its_own(tiny_model_dir, monkeypat
     ours = models.served_version(ref, "0" * 64, dtype="int4", device="cpu")
     monkeypatch.setenv("SPECSERVE_INT4_KERNEL", "torch")
     torchs = models.served_version(ref, "0" * 64, dtype="int4", device="cpu")
-    assert (
-        ours.endswith(":int4:cpu") and torchs == ours.removesuffix(":int4:cpu") + ":int4-torch:cpu"
-    )
-    assert models.served_version(ref, "0" * 64, dtype="int4", device="cuda") == torchs.replace(
-        ":int4-torch:cpu", ":int4:cuda"
+    assert ours.endswith(f":int4:{F32_KIND}") and torchs == ours.replace(":int4:", ":int4-torch:")
+    assert models.served_version(ref, "0" * 64, dtype="int4", device="cuda") == ours.replace(
+        f":int4:{F32_KIND}", ":int4:cuda"
     )
 
 
@@ -87,7 +87,7 @@ def test_a_result_replays_only_on_the_dtype_that_produced_it(tiny_cluster, gatew
     store = RequestStore.from_url(tiny_cluster.redis_url)
     first = generate(gateway, greedy)
     f32 = first.final.model_version
-    assert f32.endswith(f":float32:{DEVICE_KIND}") and not first.final.cached
+    assert f32.endswith(f":float32:{F32_KIND}") and not first.final.cached
     assert generate(gateway, greedy).final.cached
     submit = scheduler_pb2.SubmitRequest(prompt_ids=ids, max_tokens=8)
     assert r.exists(result_key(result_cache_key(submit, f32)))

@@ -47,6 +47,10 @@ BLOCK_GROUPS = 8  # groups per block of the int4 layout
 BLOCK_INPUTS = GROUP * BLOCK_GROUPS
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]  # openmp: at::parallel_for's pragmas
 NAME = "specserve_kernels"  # torch's extension (and build directory) name
+# The revision of paged_attention's rounding, in the served version of a CPU verifier that
+# runs it (models.served_version): 2 since its scores are summed 8 entries at a time (before,
+# one at a time, the served version's kind was plain `cpu`).
+PAGED_ATTENTION_ROUNDING = 2
 
 
 def _digest(paths: list[Path]) -> str:

@@ -158,7 +158,7 @@ def test_load_model_quantises_every_linear_and_says_so(quantised, quant_dirs):
     assert flat.dtype == torch.float32  # activations and KV
     ref = ModelRef(path=str(quant_dirs[0]))
     version = models.served_version(ref, "ab" * 32, dtype=kind, device=DEVICE)
-    assert version.endswith(f":{kind}:{DEVICE}")
+    assert f":{kind}:{DEVICE}" in version  # (cpu-paged2 on a CPU: the attention kernel's)
     # Close to the float32 model it came from: the logits point the same way.
     exact = FlatModel(models.load_model(quant_dirs[0], DEVICE, "float32"))
     prompt = PROMPTS[1]
