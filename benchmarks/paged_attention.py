@@ -27,11 +27,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+from .engine import git_commit, model_path
 
 SHAPES = {"target": (28, 12, 2, 128), "draft": (24, 14, 2, 64)}  # layers, heads, KV heads, d
 
@@ -53,12 +54,11 @@ def step_ms(pool_k, pool_v, queries, slots, mask, rows, reps: int) -> float:
 def forward_cases(args) -> list[dict]:
     """The default target's forward pass (FlatModel, --dtype) of --tokens new tokens after a
     prompt of each --contexts length: the median of --reps steps, each from the same KV."""
-    from specserve.common.settings import ModelRef, ServiceSettings
+    from specserve.common.settings import ModelRef
     from specserve.engine import models
     from specserve.engine.flat_model import FlatModel, Segment
 
-    path, _ = models.resolve(ModelRef(), ServiceSettings.load(None).model_cache_dir)
-    hf = models.load_model(path, "cpu", args.dtype)
+    hf = models.load_model(model_path(ModelRef()), "cpu", args.dtype)
     flat, _ = FlatModel.prepare(
         hf, compile=False, key="--forward", kv_tokens=max(args.contexts) + 64
     )
@@ -124,23 +124,12 @@ def run(args) -> dict:
         ),
         "threads": args.threads,
         "layout": args.layout,
-        "commit": _commit(),
+        "commit": git_commit(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cases": cases,
     } | ({"dtype": args.dtype, "forward": forward_cases(args)} if args.forward else {})
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "services"]).returncode
-        return out.stdout.strip() + ("+changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _ints(text: str) -> list[int]:

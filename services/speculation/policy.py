@@ -260,6 +260,14 @@ def score_bins(scores) -> np.ndarray:
     return np.clip(b, 0, SCORE_BINS - 1)
 
 
+def count_by_bin(kept_counts: np.ndarray, checked_counts: np.ndarray, scores, kept) -> None:
+    """Adds checked nodes (their scores, and whether the target kept each one's path) to
+    per-bin counts, in place."""
+    b = score_bins(scores)
+    np.add.at(checked_counts, b, 1.0)
+    np.add.at(kept_counts, b, np.asarray(kept, dtype=np.float64))
+
+
 class ScoreCalibration:
     """How often the target keeps the path to a model-free node, by the score its proposer
     gave the node (histogram binning, service-wide): per bin of the score, the share of the
@@ -281,9 +289,7 @@ class ScoreCalibration:
 
     def observe(self, scores, kept) -> None:
         """Checked nodes' scores, and whether the target kept each one's path."""
-        b = score_bins(scores)
-        np.add.at(self.checked, b, 1.0)
-        np.add.at(self.kept, b, np.asarray(kept, dtype=np.float64))
+        count_by_bin(self.kept, self.checked, scores, kept)
         full = self.checked > SCORE_WINDOW_NODES
         self.kept[full] /= 2
         self.checked[full] /= 2
@@ -307,9 +313,7 @@ class SequenceScores:
         """A checked tree's node scores, and whether the target kept each one's path."""
         self.kept *= SEQUENCE_SCORE_DECAY
         self.checked *= SEQUENCE_SCORE_DECAY
-        b = score_bins(scores)
-        np.add.at(self.checked, b, 1.0)
-        np.add.at(self.kept, b, np.asarray(kept, dtype=np.float64))
+        count_by_bin(self.kept, self.checked, scores, kept)
 
     def refine(self, bins: np.ndarray, service: np.ndarray) -> np.ndarray:
         """The chances of nodes in `bins`, from the service-wide ones (`service`) and what
