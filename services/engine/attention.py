@@ -77,14 +77,11 @@ def attend_paged(pool: KVPool, layer: int, batch: Batch, q: torch.Tensor) -> tor
 
 
 def paged_group(pool: KVPool, layer: int, group: AttentionGroup, q: torch.Tensor) -> torch.Tensor:
-    if group.kv_slots is None:  # one sequence's contiguous entries: their slots, once a step
-        first, length = group.kv_range
-        group.kv_slots = torch.arange(first, first + length, device=q.device)[None]
     return torch.ops.specserve.paged_attention(
         q,
         pool.keys[layer],
         pool.values[layer],
-        group.kv_slots,
+        group.slots(q.device),
         _NONE if group.mask is None else group.mask,
         _NONE if group.output_index is None else group.output_index,
         q.shape[-1] ** -0.5,

@@ -145,6 +145,13 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [B, 1, Nmax, Lmax] bool; None: every token sees every entry
     shape: tuple[int, int, int]  # (B, Nmax, Lmax)
 
+    def slots(self, device: torch.device) -> torch.Tensor:
+        """kv_slots; for one sequence's contiguous entries (kv_range), made on first use."""
+        if self.kv_slots is None:
+            first, length = self.kv_range
+            self.kv_slots = torch.arange(first, first + length, device=device)[None]
+        return self.kv_slots
+
 
 @dataclass
 class Batch:

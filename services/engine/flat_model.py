@@ -27,7 +27,7 @@ from .compiler import CompileFailed, Compiler
 from .gemm import column_major_head
 from .hugepages import to_huge_pages
 from .kv_cache import BLOCK_SIZE, KVPool, OutOfBlocks, SequenceKV
-from .layers import CpuOps, DecoderLayer, RotaryTable, layer_ops
+from .layers import CpuOps, DecoderLayer, Int4Layers, RotaryTable, layer_ops
 from .step_graph import StepGraph, graph_shapes
 from .tensor_parallel import Shards, ShardsLost
 
@@ -106,6 +106,9 @@ class FlatModel:
         ]
         self.attention = self._attention(attention)
         self.attend = attend_paged if self.attention == "paged" else attend
+        # int4 layers on the CPU kernels: a step's layers as one call (Int4Layers)
+        fused = self.attention == "paged" and shards is None and Int4Layers.fits(self.layers)
+        self.int4_layers = Int4Layers(self.layers) if fused else None
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
         if self.device.type == "cpu":
@@ -289,6 +292,19 @@ class FlatModel:
         else:
             hidden = shards.embed(self.body.embed_tokens, batch.input_ids)
         cos, sin = self.rotary(batch.positions, batch.max_position)  # [T, 1, head_dim]
+        if self.int4_layers is not None and len(batch.groups) == 1:
+            hidden = self.int4_layers(self.pool, batch, hidden, cos, sin)
+        else:
+            hidden = self.layer_by_layer(batch, hidden, cos, sin)
+        hidden = self.ops.rms_norm(self.body.norm, hidden[batch.logit_rows])  # [rows, hidden]
+        logits = self.hf.lm_head(hidden).float()
+        if shards is not None and (logits := shards.gather_vocab(logits)) is None:
+            return []
+        return list(torch.split(logits, batch.logit_counts))
+
+    def layer_by_layer(self, batch: Batch, hidden, cos, sin) -> torch.Tensor:
+        """hidden [T, hidden] through every layer, one module call at a time."""
+        shards = self.shards
         for index, layer in enumerate(self.layers):
             q, k, v = self.front(layer, hidden, cos, sin)
             write_kv(self.pool, index, batch, k, v)
@@ -298,11 +314,7 @@ class FlatModel:
             else:  # row-parallel products: each rank's is a partial sum
                 hidden = hidden + shards.reduce(self.out(layer, attended))
                 hidden = hidden + shards.reduce(self.mlp(layer, hidden))
-        hidden = self.ops.rms_norm(self.body.norm, hidden[batch.logit_rows])  # [rows, hidden]
-        logits = self.hf.lm_head(hidden).float()
-        if shards is not None and (logits := shards.gather_vocab(logits)) is None:
-            return []
-        return list(torch.split(logits, batch.logit_counts))
+        return hidden
 
     def follow(self) -> None:
         """The other ranks' loop: runs what rank 0 sends until it sends None (stop)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import activations
 
 from .gemm import WideLinear
 from .quant import Int4Linear, Int8Linear
@@ -239,3 +240,80 @@ class _Int4:
 
 
 JOINERS = {nn.Linear: _Dense(), WideLinear: _Dense(), Int8Linear: _Int8(), Int4Linear: _Int4()}
+
+
+class Int4Layers:
+    """Every decoder layer of a step as one call of the engine's CPU kernel `int4_layers`
+    (kernels/layers_cpu.cpp): the ops of DecoderLayer.front and back, the KV writes and paged
+    attention in the same order on the same tensors, so the same bits, with no Python between
+    them. For models whose layers `int4_layers.fits`; a step with one attention group."""
+
+    # (the kernel's order of a layer's tensors: layers_cpu.cpp's Part)
+    @staticmethod
+    def layer_tensors(layer: DecoderLayer) -> list[torch.Tensor]:
+        bias = layer.qkv.bias if layer.qkv.bias is not None else _ABSENT
+        return [
+            layer.norm_in.weight,
+            *(layer.qkv.packed, layer.qkv.scale_offset, bias),
+            *(layer.o_proj.packed, layer.o_proj.scale_offset),
+            layer.norm_post.weight,
+            *(layer.gate_up.packed, layer.gate_up.scale_offset),
+            *(layer.down.packed, layer.down.scale_offset),
+        ]
+
+    @staticmethod
+    def fits(layers: list[DecoderLayer]) -> bool:
+        """Whether the kernel runs these layers as the Python ones do: the CPU kernels'
+        norms, every projection int4 in their layout, no bias but q/k/v's, a SiLU MLP, one
+        norm epsilon."""
+
+        def int4(linear, bias_ok: bool = False) -> bool:
+            return (
+                isinstance(linear, Int4Linear)
+                and linear.layout == "blocks"
+                and (bias_ok or linear.bias is None)
+            )
+
+        return bool(layers) and all(
+            isinstance(layer.ops, CpuOps)
+            and int4(layer.qkv, bias_ok=True)
+            and all(int4(p) for p in (layer.o_proj, getattr(layer, "gate_up", None), layer.down))
+            and isinstance(layer.act, _SILU)
+            and layer.norm_in.weight.dtype == torch.float32
+            and layer.norm_in.variance_epsilon == layers[0].norm_in.variance_epsilon
+            and layer.norm_post.variance_epsilon == layers[0].norm_in.variance_epsilon
+            for layer in layers
+        )
+
+    def __init__(self, layers: list[DecoderLayer]):
+        first = layers[0]
+        self.heads, self.kv_heads = first.heads, first.kv_heads
+        self.eps = first.norm_in.variance_epsilon
+        self.scale = first.head_dim**-0.5
+        self.weights = [t for layer in layers for t in self.layer_tensors(layer)]
+
+    def __call__(self, pool, batch, hidden, cos, sin) -> torch.Tensor:
+        """hidden [T, hidden] -> hidden after every layer; the step's entries written to
+        `pool`."""
+        (group,) = batch.groups
+        return torch.ops.specserve.int4_layers(
+            hidden,
+            cos,
+            sin,
+            self.weights,
+            pool.keys,
+            pool.values,
+            batch.write_slots,
+            group.slots(hidden.device),
+            _ABSENT if group.mask is None else group.mask,
+            _ABSENT if group.output_index is None else group.output_index,
+            self.heads,
+            self.kv_heads,
+            self.eps,
+            self.scale,
+        )
+
+
+_ABSENT = torch.empty(0)  # (the kernel's absent bias, mask or row index)
+# SiLU modules: torch's, and the one Hugging Face models build for hidden_act "silu"
+_SILU = tuple(c for c in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if c)

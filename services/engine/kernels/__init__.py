@@ -38,7 +38,13 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("int4_cpu.cpp", "layer_cpu.cpp", "attention_cpu.cpp", "select_cpu.cpp")
+    for name in (
+        "int4_cpu.cpp",
+        "layer_cpu.cpp",
+        "attention_cpu.cpp",
+        "layers_cpu.cpp",
+        "select_cpu.cpp",
+    )
 ]
 # (torch's builder hashes SOURCES only)
 INCLUDED = [Path(__file__).with_name(name) for name in ("int4_rows.inc", "simd_exp.h")]
