@@ -1,7 +1,7 @@
 """The engine's cost at the level of its forward pass (FlatModel, ModelRunner; no cluster).
 
     python -m benchmarks.engine --label before [--dtype bfloat16] [--threads 2]
-                                [--attention auto|padded|paged]
+                                [--attention auto|padded|paged] [--module-layers]
                                 [--parts decode,tiny,tree,ttft,batch] [--reps 5]
                                 [--device cuda] [--target DIR] [--tiny DIR]
 
@@ -343,7 +343,10 @@ def git_commit() -> str:
 def engine_model(hf, args) -> FlatModel:
     """The forward under test (--attention's kernel), compiled (and warmed up) with --compile."""
     if not args.compile:
-        return FlatModel(hf, attention=args.attention)
+        flat = FlatModel(hf, attention=args.attention)
+        if args.module_layers:
+            flat.int4_layers = None
+        return flat
     flat, seconds = FlatModel.prepare(hf, compile=True, key="--compile", attention=args.attention)
     print(f"compiled and warmed up in {seconds:.1f} s ({flat.graphs} graphs)", flush=True)
     return flat
@@ -433,6 +436,11 @@ def main() -> None:
     )
     p.add_argument(
         "--parts", default=",".join(PARTS), help=f"comma-separated: {PARTS + ASKED_ONLY}"
+    )
+    p.add_argument(
+        "--module-layers",
+        action="store_true",
+        help="run the layers one module call at a time, not as one kernel call (int4 on a CPU)",
     )
     p.add_argument("--reps", type=int, default=5, help="repetitions per figure")
     p.add_argument("--steps", type=int, default=64, help="decode steps per repetition")

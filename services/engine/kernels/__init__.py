@@ -12,6 +12,8 @@
   weights.
 - `attention_cpu.cpp`: `paged_attention`, attention that reads each sequence's KV in place
   through its slots (attention.attend_paged).
+- `layers_cpu.cpp`: `int4_layers`, every decoder layer of a step (int4 projections) as one op
+  over the kernels above and ATen's (layers.Int4Layers).
 - `select_cpu.cpp`: `argmax_rows`, torch.argmax over the vocabulary streamed with AVX2
   (greedy selection; `argmax`), and `greedy_rows`, the same with the finite check of the
   logits in the pass (`greedy_rows`); sampling's passes over the vocabulary,
