@@ -249,7 +249,7 @@ class Int4Layers:
     """Every decoder layer of a step as one call of the engine's CPU kernel `int4_layers`
     (kernels/layers_cpu.cpp): the ops of DecoderLayer.front and back, the KV writes and paged
     attention in the same order on the same tensors, so the same bits, with no Python between
-    them. For models whose layers `int4_layers.fits`; a step with one attention group."""
+    them. For layers that `fits`, a step with one attention group."""
 
     # (the kernel's order of a layer's tensors: layers_cpu.cpp's Part)
     @staticmethod
@@ -267,8 +267,8 @@ class Int4Layers:
     @staticmethod
     def fits(layers: list[DecoderLayer]) -> bool:
         """Whether the kernel runs these layers as the Python ones do: the CPU kernels'
-        norms, every projection int4 in their layout, no bias but q/k/v's, a SiLU MLP, one
-        norm epsilon."""
+        float32 norms, every projection int4 in their layout, no bias but q/k/v's, a SiLU
+        MLP, one norm epsilon."""
 
         def int4(linear, bias_ok: bool = False) -> bool:
             return (
@@ -282,7 +282,7 @@ class Int4Layers:
             and int4(layer.qkv, bias_ok=True)
             and all(int4(p) for p in (layer.o_proj, getattr(layer, "gate_up", None), layer.down))
             and isinstance(layer.act, _SILU)
-            and layer.norm_in.weight.dtype == torch.float32
+            and layer.norm_in.weight.dtype == layer.norm_post.weight.dtype == torch.float32
             and layer.norm_in.variance_epsilon == layers[0].norm_in.variance_epsilon
             and layer.norm_post.variance_epsilon == layers[0].norm_in.variance_epsilon
             for layer in layers

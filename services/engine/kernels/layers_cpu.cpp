@@ -10,7 +10,7 @@
 //
 // The same ops in the same order as DecoderLayer.front/back, write_kv and paged_group (layers.py,
 // attention.py), on the same tensors: the outputs are those of the Python layers, bit for bit
-// (tests/unit/engine/test_fused_layers.py holds them to it).
+// (tests/unit/engine/test_int4_layers.py holds them to it).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -42,7 +42,7 @@ const Kernels& kernels() {
   return found;
 }
 
-// Tensors a layer brings, in `weights` (LAYER_TENSORS of them a layer, in this order); an
+// Tensors a layer brings, in `weights` (kParts of them a layer, in this order); an
 // absent bias is an empty tensor.
 enum Part : int64_t {
   kNormIn, kQkvCodes, kQkvPairs, kQkvBias, kOutCodes, kOutPairs,
