@@ -42,11 +42,12 @@ def steps(flat: FlatModel) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         [Segment(a, [11, 12, 13, 14], positions=[n, n + 1, n + 1, n + 2], mask=TREE, logits_from=0)]
     )
     logits += flat.forward([Segment(b, list(range(200, 206)))])  # a second sequence
+    n = a.length
     logits += flat.forward(  # two sequences in one step: a decode token and a tree
         [
             Segment(b, [21]),
             Segment(
-                a, [31, 32, 33, 34], positions=[n + 3] * 2 + [n + 4] * 2, logits_from=0, mask=TREE
+                a, [31, 32, 33, 34], positions=[n, n + 1, n + 1, n + 2], logits_from=0, mask=TREE
             ),
         ]
     )
