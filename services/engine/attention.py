@@ -82,10 +82,10 @@ def paged_group(pool: KVPool, layer: int, group: AttentionGroup, q: torch.Tensor
         pool.keys[layer],
         pool.values[layer],
         group.slots(q.device),
-        _NONE if group.mask is None else group.mask,
-        _NONE if group.output_index is None else group.output_index,
+        ABSENT if group.mask is None else group.mask,
+        ABSENT if group.output_index is None else group.output_index,
         q.shape[-1] ** -0.5,
     )
 
 
-_NONE = torch.empty(0, dtype=torch.long)  # (the kernel's "no mask", "no row index")
+ABSENT = torch.empty(0, dtype=torch.long)  # (the kernels' "no mask", "no row index", "no bias")

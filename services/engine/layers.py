@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import activations
 
+from .attention import ABSENT
 from .gemm import WideLinear
 from .quant import Int4Linear, Int8Linear
 
@@ -254,7 +255,7 @@ class Int4Layers:
     # (the kernel's order of a layer's tensors: layers_cpu.cpp's Part)
     @staticmethod
     def layer_tensors(layer: DecoderLayer) -> list[torch.Tensor]:
-        bias = layer.qkv.bias if layer.qkv.bias is not None else _ABSENT
+        bias = layer.qkv.bias if layer.qkv.bias is not None else ABSENT
         return [
             layer.norm_in.weight,
             *(layer.qkv.packed, layer.qkv.scale_offset, bias),
@@ -308,8 +309,8 @@ class Int4Layers:
             pool.values,
             batch.write_slots,
             group.slots(hidden.device),
-            _ABSENT if group.mask is None else group.mask,
-            _ABSENT if group.output_index is None else group.output_index,
+            ABSENT if group.mask is None else group.mask,
+            ABSENT if group.output_index is None else group.output_index,
             self.heads,
             self.kv_heads,
             self.eps,
@@ -317,6 +318,5 @@ class Int4Layers:
         )
 
 
-_ABSENT = torch.empty(0)  # (the kernel's absent bias, mask or row index)
 # SiLU modules: torch's, and the one Hugging Face models build for hidden_act "silu"
 _SILU = tuple(c for c in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if c)
