@@ -4,14 +4,17 @@
 
 The log of a cluster run with `--set verifier.log_level=DEBUG --keep-logs DIR`
 (benchmarks.llamacpp, benchmarks.spec_bench) has a "step" line per forward pass, a "drafted"
-line per ask of the drafters and a "checked" line per tree the target checked. Taken one
+line per ask of the drafters, a "checked" line per tree the target checked and a "shadowed"
+line per tree not checked in full, once the tokens that followed decided its other nodes. Taken one
 request at a time (between its "admitted" and "request ended" lines, so streams must not
 overlap), this sums per request:
 
 - steps: decode steps (those that took in no prompt), and their median one-token pass (ms);
 - trees: steps that checked draft nodes, the nodes and the tokens kept of them;
 - tree_ms: what those steps took beyond a one-token pass each (the time the nodes added);
-- asks and draft_ms: drafter round trips and their time, and those that grew draft-model trees.
+- asks and draft_ms: drafter round trips and their time, and those that grew draft-model trees;
+- shadow_nodes, shadow_kept: the nodes of trees left unchecked, and how many of them the
+  tokens that followed kept (what the policy learned from without paying for them).
 
 tree_ms + draft_ms against steps x the one-token pass is what speculation cost the request,
 read off its own steps: unlike tokens/s, it does not move with the other load on the machine
@@ -38,7 +41,7 @@ def requests(lines: list[dict]) -> list[dict]:
             if line["request_id"] == current["request_id"]:
                 out.append(summary(current["request_id"], current["lines"], line["tokens"]))
                 current = None
-        elif current is not None and msg in ("step", "drafted", "checked"):
+        elif current is not None and msg in ("step", "drafted", "checked", "shadowed"):
             current["lines"].append(line)
     return out
 
@@ -51,6 +54,7 @@ def summary(request_id: str, lines: list[dict], tokens: int) -> dict:
     checked = [x for x in lines if x["msg"] == "checked"]
     drafted = [x for x in lines if x["msg"] == "drafted"]
     model = [x for x in drafted if any(k for k, _ in x["budgets"])]
+    shadowed = [x for x in lines if x["msg"] == "shadowed"]
     return {
         "request_id": request_id,
         "tokens": tokens,
@@ -64,6 +68,8 @@ def summary(request_id: str, lines: list[dict], tokens: int) -> dict:
         "draft_ms": round(sum(x["draft_ms"] for x in drafted)),
         "model_asks": len(model),
         "model_draft_ms": round(sum(x["draft_ms"] for x in model)),
+        "shadow_nodes": sum(x["nodes"] for x in shadowed),
+        "shadow_kept": sum(x["kept"] for x in shadowed),
     }
 
 

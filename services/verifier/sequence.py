@@ -12,7 +12,20 @@ import torch
 from ..engine.flat_model import SequenceKV
 from ..speculation.policy import SequenceScores
 from ..speculation.sampling import SamplingParams
+from ..speculation.tree import DraftTree
 from .constraint import Constraint
+
+
+@dataclass
+class Shadow:
+    """A model-free tree that a step did not check in full, scored afterwards against the
+    tokens the sequence went on to emit (Speculator._shadowed). A model-free node is kept
+    when the target's token at its place is its token, greedy or sampled, so the tokens
+    emitted say exactly which of its nodes the target would have kept."""
+
+    tree: DraftTree  # as the drafter sent it
+    start: int  # len(output_ids) when it came: its root's children follow output_ids[:start]
+    checked: int  # its first nodes that the step checked (observed as any checked tree)
 
 
 @dataclass
@@ -66,6 +79,7 @@ class Sequence:
     drawn_accepted: int = 0  # draft-model trees
     drawn_tested: int = 0
     scored: SequenceScores = field(default_factory=SequenceScores)  # scored trees' record
+    shadow: Shadow | None = None  # a tree not checked in full, until its nodes are decided
     # Tokens its draft model had taken in when it last grew it a tree (0: never): what it
     # takes in before its next one is the rest (a catch-up, where more than a step's worth).
     drawn_at: int = 0

@@ -25,7 +25,7 @@ from . import metrics
 from .drafter_client import DraftUnavailable
 from .drafter_pool import DrafterPool
 from .drafter_sync import DrafterSync
-from .sequence import Sequence
+from .sequence import Sequence, Shadow
 
 log = logging.getLogger(__name__)
 
@@ -271,38 +271,88 @@ class Speculator:
     ) -> None:
         """What the target kept of a sequence's tree: the nodes of its accepted path, and
         the draft tokens it checked (those and the first rejection, if any)."""
-        if self.policy is not None and tree.scores:
-            kept = np.zeros(len(tree), dtype=bool)
-            kept[accepted] = True
-            seq.scored.observe(tree.scores, kept)
-            self.policy.scores.observe(tree.scores, kept)
-        accepted = len(accepted)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "checked",
                 extra={
                     "nodes": len(tree),
-                    "accepted": accepted,
+                    "accepted": len(accepted),
                     "model_free": tree.model_free,
                     "expected": round(sum(tree.scores), 2) if tree.scores else None,
                 },
             )
         seq.tested += tested
+        self._learn(seq, tree, accepted, tested)
+
+    def _learn(
+        self, seq: Sequence, tree: DraftTree, accepted: list[int], tested: int, first: int = 0
+    ) -> None:
+        """What the policy learns of a tree's nodes from `first` on, the target having kept
+        the path `accepted` (node indices) and checked `tested` draft tokens of it: the chances
+        of scored nodes (service-wide and the sequence's), and with the whole tree, the
+        acceptance rate of its kind."""
+        if self.policy is not None and tree.scores:
+            kept = np.zeros(len(tree), dtype=bool)
+            kept[accepted] = True
+            seq.scored.observe(tree.scores[first:], kept[first:])
+            self.policy.scores.observe(tree.scores[first:], kept[first:])
+        if first:
+            return
         if tree.model_free:
-            seq.free_accepted += accepted
+            seq.free_accepted += len(accepted)
             seq.free_tested += tested
             seq.free_trees += 1
         else:
-            seq.drawn_accepted += accepted
+            seq.drawn_accepted += len(accepted)
             seq.drawn_tested += tested
         if self.policy is not None:
-            self.policy.observe_acceptance(accepted, tested, free=tree.model_free)
+            self.policy.observe_acceptance(len(accepted), tested, free=tree.model_free)
+
+    def _shadowed(self, seq: Sequence) -> None:
+        """Scores the sequence's shadow tree, if any, against the tokens emitted since it
+        came, once they decide every one of its nodes: the path they follow ends where the
+        next token matches no child, or at a leaf. Its unchecked nodes then teach the policy
+        as checked ones do (`_learn`): the calibration of scores by bin learns from every
+        tree the drafters send, not only from those it chose to check (left alone, a bin
+        priced too high is only corrected by paying for its nodes, and one priced too low
+        never is). A shadow the sequence ends before deciding is dropped."""
+        shadow = seq.shadow
+        if shadow is None:
+            return
+        tree, emitted = shadow.tree, seq.output_ids[shadow.start :]
+        kids, path = tree.children(), []
+        for token in emitted:
+            node = next(
+                (c for c in kids.get(path[-1] if path else -1, []) if tree.token_ids[c] == token),
+                None,
+            )
+            if node is None:
+                break
+            path.append(node)
+        leaf = bool(path) and path[-1] not in kids
+        if len(emitted) == len(path) and not leaf:  # (not decided yet)
+            if seq.finish_reason is not None:
+                seq.shadow = None
+            return
+        seq.shadow = None
+        levels = max(tree.depths()) + 1
+        self._learn(seq, tree, path, len(path) + (len(path) < levels), shadow.checked)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "shadowed",
+                extra={
+                    "nodes": len(tree) - shadow.checked,
+                    "kept": sum(node >= shadow.checked for node in path),
+                },
+            )
 
     def propose(
         self, seqs: list[Sequence], other_tokens: int = 0, first_token: bool = False
     ) -> list[DraftTree]:
         """One tree per sequence (empty: plain decoding for it this step); other_tokens are
         the step's prefill tokens, which the adaptive policy counts in the cost."""
+        for seq in seqs:
+            self._shadowed(seq)
         budgets = self.budgets(seqs, other_tokens, first_token)
         for budget in budgets:
             metrics.TREE_BUDGET.observe(max(budget))
@@ -326,7 +376,10 @@ class Speculator:
                 metrics.FALLBACK_STEPS.inc(max(budget) > 0)
                 trees[i] = self._fallback(seq, max(budget))
         if self.policy is not None:
-            trees = self._priced(seqs, trees, budgets)
+            arrived, trees = trees, self._priced(seqs, trees, budgets)
+            for seq, whole, tree in zip(seqs, arrived, trees, strict=True):
+                if whole.model_free and len(tree) < len(whole) and seq.shadow is None:
+                    seq.shadow = Shadow(whole, len(seq.output_ids), len(tree))
         for seq, (k, deep), tree, came in zip(seqs, budgets, trees, answered, strict=True):
             if came and k == 0 and deep > 0:  # (a model-free tree alone asked the drafter)
                 self._asked_alone(seq, tree)
@@ -405,6 +458,7 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         """The sequence ended: tell its drafter with the next message."""
+        self._shadowed(seq)
         self.sync.forget(seq, completed=seq.finish_reason is not None)
         if self.pool is not None:
             self.pool.release(seq.request_id)

@@ -1,6 +1,6 @@
 """benchmarks.step_log: a verifier DEBUG log summed per request (between its "admitted" and
 "request ended" lines): decode steps, the time tree steps took beyond a one-token pass, the
-drafter's asks; prompt chunks left out."""
+drafter's asks, the nodes of trees left unchecked; prompt chunks left out."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def test_each_request_sums_its_own_steps_trees_and_asks(tmp_path):
         {"msg": "drafted", "budgets": [[3, 8]], "draft_ms": 90.0},
         _step(4, 70.0),
         {"msg": "checked", "nodes": 3, "accepted": 2},
+        {"msg": "shadowed", "nodes": 5, "kept": 1},
         {"msg": "drafted", "budgets": [[0, 8]], "draft_ms": 2.0},
         _step(1, 42.0),
         _step(1, 38.0),
@@ -49,6 +50,8 @@ def test_each_request_sums_its_own_steps_trees_and_asks(tmp_path):
             "draft_ms": 92,
             "model_asks": 1,
             "model_draft_ms": 90,
+            "shadow_nodes": 5,
+            "shadow_kept": 1,
         }
     )
     assert b["steps"] == 1 and b["one_token_ms"] == 50.0 and b["trees"] == 0

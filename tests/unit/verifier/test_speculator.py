@@ -266,6 +266,51 @@ def test_a_miss_on_a_short_match_does_not_cut_a_later_long_one():
     assert len(kept) == len(copy)
 
 
+def test_trees_cut_to_nothing_are_scored_against_the_tokens_that_follow():
+    """A model-free tree the policy does not check is kept as the sequence's shadow and
+    scored against the tokens the sequence emits next (a node is kept when the target's
+    token at its place is its own): nodes whose bins were priced too low, so that no tree
+    of them was checked, come to be checked without one of them paying its way in."""
+    from specserve.speculation.tree import DraftTree
+
+    speculator, seq = _adaptive()
+    scores = [0.95, 0.93, 0.91, 0.89, 0.87, 0.85]
+    chain = list(range(-1, len(scores) - 1))
+    rejected = DraftTree(list(range(10, 16)), chain, model_free=True, scores=scores)
+    for _ in range(20):  # the bins learn that such paths are never kept
+        speculator.observe_acceptance(seq, rejected, [], 1)
+    answer = [100 + i for i in range(400)]  # what the target emits, one token a step
+
+    def copy(seqs, budgets):  # the drafter: a copy of the answer's next tokens
+        at = len(seq.output_ids)
+        return [DraftTree(answer[at : at + len(scores)], chain, model_free=True, scores=scores)]
+
+    speculator._ask_drafters = copy
+    seq.output_ids = answer[:1]
+    tested, shadowed, checked_at = seq.tested, 0, None
+    for step in range(200):
+        (tree,) = speculator.propose([seq])
+        shadowed += seq.shadow is not None and seq.shadow.start == len(seq.output_ids)
+        if len(tree):
+            checked_at = step
+            break
+        seq.output_ids.append(answer[len(seq.output_ids)])
+    assert seq.tested == tested  # nothing was checked on the way
+    assert shadowed >= 2 and checked_at is not None
+    assert seq.free_trees >= 1 and seq.free_accepted >= len(scores)
+    # A shadow the sequence ends before its nodes are decided teaches nothing.
+    seq.shadow = None
+    unlikely = DraftTree([1, 2], [-1, 0], model_free=True, scores=[0.1, 0.1])
+    speculator._ask_drafters = lambda seqs, budgets: [unlikely]
+    speculator.propose([seq])
+    assert seq.shadow is not None and seq.shadow.checked == 0
+    before = speculator.policy.scores.checked.copy()
+    seq.output_ids.append(1)
+    seq.finish_reason = "FINISH_REASON_STOP"
+    speculator.forget(seq)
+    assert seq.shadow is None and (speculator.policy.scores.checked == before).all()
+
+
 def test_asks_that_keep_nothing_back_off_and_one_that_keeps_a_tree_resets():
     """Each ask for a model-free tree alone is a round trip to the drafter: after asks in a
     row that kept nothing (no match, or nothing that paid) a sequence waits 1, 3, 7, then at
