@@ -20,12 +20,15 @@ from .constraint import Constraint
 class Shadow:
     """A model-free tree that a step did not check in full, scored afterwards against the
     tokens the sequence went on to emit (Speculator._shadowed). A model-free node is kept
-    when the target's token at its place is its token, greedy or sampled, so the tokens
-    emitted say exactly which of its nodes the target would have kept."""
+    when the target's token at its place is its token, so the tokens emitted say which of
+    its nodes the target would have kept: exactly when greedy, with the same chances when
+    sampled (a point-mass draft is accepted with the target's probability of its token)."""
 
     tree: DraftTree  # as the drafter sent it
     start: int  # len(output_ids) when it came: its root's children follow output_ids[:start]
     checked: int  # its first nodes that the step checked (observed as any checked tree)
+    kids: dict[int, list[int]] = field(default_factory=dict)  # tree.children()
+    path: list[int] = field(default_factory=list)  # the nodes the tokens since have followed
 
 
 @dataclass

@@ -319,21 +319,18 @@ class Speculator:
         shadow = seq.shadow
         if shadow is None:
             return
-        tree, emitted = shadow.tree, seq.output_ids[shadow.start :]
-        kids, path = tree.children(), []
-        for token in emitted:
-            node = next(
-                (c for c in kids.get(path[-1] if path else -1, []) if tree.token_ids[c] == token),
-                None,
-            )
-            if node is None:
+        tree, kids, path = shadow.tree, shadow.kids, shadow.path
+        for token in seq.output_ids[shadow.start + len(path) :]:  # (the tokens not walked yet)
+            under = kids.get(path[-1] if path else -1, ())
+            node = next((c for c in under if tree.token_ids[c] == token), None)
+            if node is None:  # (decided: the target went where no node goes)
                 break
             path.append(node)
-        leaf = bool(path) and path[-1] not in kids
-        if len(emitted) == len(path) and not leaf:  # (not decided yet)
-            if seq.finish_reason is not None:
-                seq.shadow = None
-            return
+        else:
+            if not path or path[-1] in kids:  # (not decided yet: the next token may go deeper)
+                if seq.finish_reason is not None:
+                    seq.shadow = None
+                return
         seq.shadow = None
         levels = max(tree.depths()) + 1
         self._learn(seq, tree, path, len(path) + (len(path) < levels), shadow.checked)
@@ -379,7 +376,7 @@ class Speculator:
             arrived, trees = trees, self._priced(seqs, trees, budgets)
             for seq, whole, tree in zip(seqs, arrived, trees, strict=True):
                 if whole.model_free and len(tree) < len(whole) and seq.shadow is None:
-                    seq.shadow = Shadow(whole, len(seq.output_ids), len(tree))
+                    seq.shadow = Shadow(whole, len(seq.output_ids), len(tree), whole.children())
         for seq, (k, deep), tree, came in zip(seqs, budgets, trees, answered, strict=True):
             if came and k == 0 and deep > 0:  # (a model-free tree alone asked the drafter)
                 self._asked_alone(seq, tree)
