@@ -1,7 +1,9 @@
 """Gets a draft tree for every running sequence each step: from the sequence's drafter over
 that drafter's bidirectional stream, or, when the drafter fails, is late or its breaker is
 open, from the fallback (no tree = plain decoding, or local n-gram drafts). The tree sizes come
-from the policy (fixed, or adaptive).
+from the policy (fixed, or adaptive), which learns from what the target kept of each tree:
+of a model-free tree not checked in full too, once the tokens that follow decide its other
+nodes (the sequence's shadow).
 
 The pieces it drives: the drafters and which sequence drafts where (`drafter_pool`), each
 drafter's stream (`drafter_client`) and breaker (`breaker`), and what each stream has been
