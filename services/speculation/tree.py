@@ -83,11 +83,20 @@ class DraftTree:
         draft tokens the target kept (its own next token then matches no child)."""
         kids, node, n = self.children(), -1, 0
         for token in tokens:
-            node = next((c for c in kids.get(node, []) if self.token_ids[c] == token), None)
+            node = self.child(kids, node, token)
             if node is None:
                 break
             n += 1
         return n
+
+    def child(self, kids: dict[int, list[int]], node: int, token: int) -> int | None:
+        """The child of `node` (-1: the root) that holds `token`, if any (`kids`: children())."""
+        return next((c for c in kids.get(node, ()) if self.token_ids[c] == token), None)
+
+    def tested(self, accepted: int) -> int:
+        """Draft tokens the target checked when it kept a path of `accepted` of them: those,
+        and the first rejection where the path stopped short of the deepest level."""
+        return accepted + (accepted < max(self.depths()) + 1)
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError when the tree is malformed (it came over the network)."""

@@ -337,12 +337,8 @@ class Engine:
         emitted = seq.extend(verdict.tokens, self._finished, verdict.logprobs)
         accepted = min(len(verdict.accepted), emitted)
         if len(tree):  # the path was checked up to its first rejection, if it had one
-            levels = max(tree.depths()) + 1
             self.speculator.observe_acceptance(
-                seq,
-                tree,
-                verdict.accepted,
-                len(verdict.accepted) + (len(verdict.accepted) < levels),
+                seq, tree, verdict.accepted, tree.tested(len(verdict.accepted))
             )
         seq.accepted += accepted
         seq.steps += 1

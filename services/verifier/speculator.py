@@ -323,8 +323,7 @@ class Speculator:
             return
         tree, kids, path = shadow.tree, shadow.kids, shadow.path
         for token in seq.output_ids[shadow.start + len(path) :]:  # (the tokens not walked yet)
-            under = kids.get(path[-1] if path else -1, ())
-            node = next((c for c in under if tree.token_ids[c] == token), None)
+            node = tree.child(kids, path[-1] if path else -1, token)
             if node is None:  # (decided: the target went where no node goes)
                 break
             path.append(node)
@@ -334,8 +333,7 @@ class Speculator:
                     seq.shadow = None
                 return
         seq.shadow = None
-        levels = max(tree.depths()) + 1
-        self._learn(seq, tree, path, len(path) + (len(path) < levels), shadow.checked)
+        self._learn(seq, tree, path, tree.tested(len(path)), shadow.checked)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "shadowed",
