@@ -2,8 +2,9 @@
 GGUF (Q4_K_M), one stream, greedy, the benchmark prompts (code generation, prose, code edit).
 
     python -m benchmarks.llamacpp [--tokens 128] [--threads 2] [--kinds code prose edit]
-                                  [--only NAME ...] [--server PATH] [--out benchmarks/results]
-                                  [--set SECTION.KEY=VALUE ...] [--keep-logs DIR]
+                                  [--rounds 1] [--only NAME ...] [--server PATH]
+                                  [--out benchmarks/results] [--set SECTION.KEY=VALUE ...]
+                                  [--keep-logs DIR]
 
 Rows, in this order in one run:
 - specserve, config/specserve.yaml's verifier and drafter (dtype auto, hybrid drafting, the
@@ -12,6 +13,13 @@ Rows, in this order in one run:
 - llama.cpp's `llama-server` on the same GGUF, `--threads`: plain; n-gram speculation
   (`--spec-type ngram-simple`, its prompt-lookup proposer); the default draft model's GGUF as
   its draft (`-md`).
+
+With --rounds N every row runs N times, all of them afresh each round (a new cluster, new
+llama-servers), in that order: a row's figures are then the median over rounds, and `ratios`
+holds each pair of rows that the targets compare (speculation on over off, specserve over
+llama.cpp plain and over its fastest speculative row) as ratios within each round, with their
+median and range. This machine's speed moves by 10-30% within minutes, in every system alike,
+so a ratio of two rows of one round holds where rows of different minutes do not.
 
 Every system is timed the same way as benchmarks/speculative.py: a warm-up request, then per
 prompt the arrival time of each streamed token at the client; decode tokens/s = tokens after
@@ -36,6 +44,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -280,6 +289,71 @@ def report(label: str, kind: str, row: dict) -> None:
     print(f"{label:>40} {kind:>5}: {row['decode_tokens_per_s']} tok/s{extra}", flush=True)
 
 
+FIGURES = ("decode_tokens_per_s", "end_to_end_tokens_per_s", "ttft_ms", "mean_accepted_length")
+
+
+def medians(rounds: list[dict[str, dict[str, dict]]]) -> dict[str, dict[str, dict]]:
+    """Each row's figures, the median over the rounds (every round's decode rate beside it)."""
+    merged: dict[str, dict[str, dict]] = {}
+    for label, by_kind in rounds[0].items():
+        merged[label] = {}
+        for kind, first in by_kind.items():
+            rows = [r[label][kind] for r in rounds if kind in r.get(label, {})]
+            row = dict(first)
+            for name in FIGURES:
+                values = [x[name] for x in rows if x.get(name) is not None]
+                if values:
+                    row[name] = round(statistics.median(values), 2)
+            row["decode_tokens_per_s_by_round"] = [x["decode_tokens_per_s"] for x in rows]
+            merged[label][kind] = row
+    return merged
+
+
+def ratios(rounds: list[dict[str, dict[str, dict]]]) -> dict[str, dict[str, dict]]:
+    """Decode rates over one another within each round (the machine's speed drifts between
+    rounds; rows of one round ran minutes apart), per prompt kind: their median and range.
+    Speculation on over off, and each specserve row over llama.cpp plain and over llama.cpp's
+    fastest speculative row."""
+    pairs = {
+        "specserve on / off": (
+            "specserve default, speculation on",
+            "specserve default, speculation off",
+        ),
+        "specserve on / llama.cpp plain": ("specserve default, speculation on", "llama.cpp plain"),
+        "specserve off / llama.cpp plain": (
+            "specserve default, speculation off",
+            "llama.cpp plain",
+        ),
+        "specserve on / llama.cpp best speculative": ("specserve default, speculation on", None),
+    }
+    out: dict[str, dict[str, dict]] = {}
+    for name, (top, bottom) in pairs.items():
+        for kind in PROMPTS:
+            values = []
+            for results in rounds:
+                rate = {
+                    label: rows[kind]["decode_tokens_per_s"]
+                    for label, rows in results.items()
+                    if kind in rows
+                }
+                speculative = [
+                    v
+                    for label, v in rate.items()
+                    if label.startswith("llama.cpp") and "plain" not in label
+                ]
+                under = rate.get(bottom) if bottom else max(speculative, default=None)
+                if rate.get(top) and under:
+                    values.append(round(rate[top] / under, 3))
+            if values:
+                out.setdefault(name, {})[kind] = {
+                    "median": round(statistics.median(values), 3),
+                    "min": min(values),
+                    "max": max(values),
+                    "by_round": values,
+                }
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", type=int, default=128)
@@ -291,21 +365,37 @@ def main() -> None:
         help="rows whose label holds one of these (`specserve`: the cluster's rows alone, with "
         "no llama.cpp built)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times every row runs, each round on fresh servers (a new cluster, new llama-servers) "
+        "in the same order; rows then give the median over rounds, and `ratios` the ratios "
+        "within each round, which the machine's drift between rounds does not move",
+    )
     p.add_argument("--server", help="a llama-server binary instead of building one")
     p.add_argument("--cache", default=ServiceSettings().model_cache_dir)
     p.add_argument("--out", default="benchmarks/results")
     cluster_arguments(p)
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     llamacpp = any(wanted(args, label) for label in LLAMACPP_ROWS)  # (else nothing to build)
     if llamacpp:
         server = Path(args.server) if args.server else llama_server()
         target, draft = gguf(*TARGET, args.cache), gguf(*DRAFT, args.cache)
-    results: dict[str, dict[str, dict]] = {}
-    if wanted(args, "specserve default"):
-        results |= run_specserve(args)
-    if llamacpp:
-        results |= run_llamacpp(args, target, draft, server)
+    rounds = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {r + 1} of {args.rounds}", flush=True)
+        results: dict[str, dict[str, dict]] = {}
+        if wanted(args, "specserve default"):
+            results |= run_specserve(args)
+        if llamacpp:
+            results |= run_llamacpp(args, target, draft, server)
+        rounds.append(results)
+    results = rounds[0] if args.rounds == 1 else medians(rounds)
     record = {
         "command": "python -m benchmarks.llamacpp " + " ".join(sys.argv[1:]),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -314,8 +404,12 @@ def main() -> None:
         "llama_cpp": f"{PACKAGE} {VERSION} ({' '.join(cmake_flags()[0])})" if llamacpp else None,
         "gguf": {"target": target.name, "draft": draft.name} if llamacpp else None,
         "tokens": args.tokens,
+        "rounds": args.rounds,
         "results": results,
+        "ratios": ratios(rounds),
     }
+    for name, by_kind in record["ratios"].items():
+        print(f"{name:>48}: " + ", ".join(f"{k} {v['median']}" for k, v in by_kind.items()))
     path = Path(args.out) / "llamacpp.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}")

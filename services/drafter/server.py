@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -125,9 +126,20 @@ class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
                 self._lock,
                 metrics.PROPOSE_SECONDS.time(),
             ):
+                started = time.perf_counter()
                 trees = self._on_model_thread(self.proposer.propose, to_draft)
                 span.set_attribute("sequences", len(to_draft))
                 span.set_attribute("nodes", sum(map(len, trees)))
+            if log.isEnabledFor(logging.DEBUG):  # (the verifier's "drafted" line: the round trip)
+                log.debug(
+                    "proposed",
+                    extra={
+                        "sequences": len(to_draft),
+                        "nodes": [len(t) for t in trees],
+                        "model_free": [t.model_free for t in trees],
+                        "propose_ms": round(1000 * (time.perf_counter() - started), 1),
+                    },
+                )
             ready |= {job.seq_id: tree for job, tree in zip(to_draft, trees, strict=True)}
         drafted = []
         for job in jobs:
