@@ -113,9 +113,10 @@ bench-spec: setup
 		--workload spec_bench,code_edit,agentic
 	$(PY) -m benchmarks.acceptance --per-category 4 --tokens 128
 
-# The default config against llama.cpp (built here once from PyPI's sdist) on the same GGUF.
+# The default config against llama.cpp (built here once from PyPI's sdist) on the same GGUF, every
+# row three times afresh (the machine drifts between minutes: the targets' ratios are paired by round).
 bench-llamacpp: setup
-	$(PY) -m benchmarks.llamacpp --tokens 128 --threads 2
+	$(PY) -m benchmarks.llamacpp --tokens 128 --threads 2 --rounds 3
 
 # Structured outputs and tool calls: grammar and speculation on and off, forced drafts on and
 # off (docs/benchmarks.md, "Structured outputs").

@@ -63,6 +63,27 @@ def test_a_draft_step_that_took_in_a_prompt_does_not_price_the_next_ones():
     assert model.step_seconds(1, 3, 1) - 0.058 == pytest.approx(0.12, rel=0.1)
 
 
+def test_steps_without_drafts_refit_every_so_often_not_every_step(monkeypatch):
+    """A verifier whose sequences never ask a draft model adds only verify steps: with the
+    verify window long, they refit every REFIT_EVERY steps (each refit is a least-squares
+    pass over the window), while the first draft steps still refit at once."""
+    from specserve.speculation.policy import REFIT_EVERY
+
+    model = CostModel()
+    model.calibrate({1: 0.058, 2: 0.071, 4: 0.097})
+    for _ in range(REFIT_EVERY + 1):
+        model.observe_verify(1, 0.058)  # (the verify window is long from here on)
+    fits = []
+    monkeypatch.setattr(model, "fit", lambda: fits.append(1) or CostModel.fit(model))
+    for _ in range(4 * REFIT_EVERY):
+        model.observe_verify(1, 0.058)
+    assert len(fits) == 4
+    fits.clear()
+    for _ in range(3):
+        model.observe_draft(2, 1, 0.08)
+    assert len(fits) == 3
+
+
 def test_coefficients_stay_nonnegative():
     model = CostModel()
     for tokens in range(1, 30):  # time that falls with tokens: noise, not a negative cost
