@@ -18,8 +18,9 @@ With --rounds N every row runs N times, all of them afresh each round (a new clu
 llama-servers), in that order: a row's figures are then the median over rounds, and `ratios`
 holds each pair of rows that the targets compare (speculation on over off, specserve over
 llama.cpp plain and over its fastest speculative row) as ratios within each round, with their
-median and range. This machine's speed moves by 10-30% within minutes, in every system alike,
-so a ratio of two rows of one round holds where rows of different minutes do not.
+median and range. A machine's speed may move between minutes, in every system alike (the
+target's one-token pass read 25-46 ms within one hour on a 2-core EPYC), and a ratio of two
+rows of one round holds where rows of different minutes do not.
 
 Every system is timed the same way as benchmarks/speculative.py: a warm-up request, then per
 prompt the arrival time of each streamed token at the client; decode tokens/s = tokens after
@@ -289,21 +290,33 @@ def report(label: str, kind: str, row: dict) -> None:
     print(f"{label:>40} {kind:>5}: {row['decode_tokens_per_s']} tok/s{extra}", flush=True)
 
 
-FIGURES = ("decode_tokens_per_s", "end_to_end_tokens_per_s", "ttft_ms", "mean_accepted_length")
+FIGURES = (  # a row's timings: the median over rounds
+    "decode_tokens_per_s",
+    "end_to_end_tokens_per_s",
+    "ttft_ms",
+    "mean_accepted_length",
+    "llamacpp_predicted_per_second",
+)
 
 
 def medians(rounds: list[dict[str, dict[str, dict]]]) -> dict[str, dict[str, dict]]:
-    """Each row's figures, the median over the rounds (every round's decode rate beside it)."""
+    """Each row's FIGURES, the median over the rounds, every round's decode rate beside them;
+    its other fields as they were where every round agrees, else each round's
+    (`<name>_by_round`)."""
     merged: dict[str, dict[str, dict]] = {}
     for label, by_kind in rounds[0].items():
         merged[label] = {}
         for kind, first in by_kind.items():
             rows = [r[label][kind] for r in rounds if kind in r.get(label, {})]
-            row = dict(first)
-            for name in FIGURES:
-                values = [x[name] for x in rows if x.get(name) is not None]
-                if values:
+            row = {}
+            for name in first:
+                values = [x.get(name) for x in rows]
+                if name in FIGURES and None not in values:
                     row[name] = round(statistics.median(values), 2)
+                elif all(v == values[0] for v in values):
+                    row[name] = values[0]
+                else:
+                    row[f"{name}_by_round"] = values
             row["decode_tokens_per_s_by_round"] = [x["decode_tokens_per_s"] for x in rows]
             merged[label][kind] = row
     return merged

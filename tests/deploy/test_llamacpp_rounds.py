@@ -12,7 +12,12 @@ ON, OFF = "specserve default, speculation on", "specserve default, speculation o
 
 def _round(on: float, off: float, plain: float, ngram: float) -> dict:
     def row(rate: float) -> dict:
-        return {"decode_tokens_per_s": rate, "ttft_ms": 100 * rate, "tokens": 128}
+        return {
+            "decode_tokens_per_s": rate,
+            "ttft_ms": 100 * rate,
+            "tokens": 128,
+            "target_version": "a",
+        }
 
     return {
         ON: {"code": row(on) | {"mean_accepted_length": 1.5}},
@@ -30,6 +35,10 @@ def test_rows_take_the_median_and_ratios_pair_rows_of_one_round():
     assert rows[ON]["code"]["decode_tokens_per_s_by_round"] == [30, 15, 33]
     assert rows[ON]["code"]["mean_accepted_length"] == 1.5
     assert rows["llama.cpp plain"]["code"]["ttft_ms"] == 2000
+    assert rows[ON]["code"]["tokens"] == 128  # (the same in every round: kept as it was)
+    # A field that is not a timing and differs between rounds is kept round by round.
+    rounds[1][ON]["code"]["target_version"] = "b"
+    assert llamacpp.medians(rounds)[ON]["code"]["target_version_by_round"] == ["a", "b", "a"]
 
     ratios = llamacpp.ratios(rounds)
     on_off = ratios["specserve on / off"]["code"]
