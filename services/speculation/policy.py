@@ -12,8 +12,8 @@ and then the deep budgets (`deep_budgets`: as deep as a node still pays for its 
 - Step time, from a cost model of this verifier's own measured steps. Verify time by the
   tokens in the forward pass is a measured profile: each token count timed at start
   (`calibrate`, on the model itself; counts between two measured ones interpolated, past the
-  largest the last two's slope), times a scale that every step moves (a moving average of
-  its time over the profile's: other processes on the same cores, a longer context). A
+  largest the last two's slope), times a scale: the median of the last SCALE_STEPS steps'
+  times over the profile's (other processes on the same cores, a longer context). A
   profile, not a line, because a quantised kernel prices rows in blocks: the int4 default
   target took 58 ms for 1 token, 97 ms for 4 and 178 ms for 5 on this CPU; a scale, not an
   average per count, because steps of one count (plain decoding) would move that count alone
@@ -52,6 +52,7 @@ its first token while at most one other sequence would draft; see Speculator.bud
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
@@ -62,7 +63,13 @@ PRIOR_WEIGHT = 4.0  # tested draft tokens the service-wide rate counts as, per s
 REFIT_EVERY = 16  # observations between refits
 PROBE_EVERY = 64  # steps: one in this many prices drafts optimistically, to measure them again
 EXPLORE_ALPHA = 0.8  # the acceptance a sequence not yet measured (or probed) is priced at
-VERIFY_EWMA = 0.2  # weight of a step in the profile's scale and the round trip
+VERIFY_EWMA = 0.2  # weight of a step in the round trip and the catch-up's moving averages
+# The profile's scale is the median of this many steps' times over the profile's, not a moving
+# average: one step that other work stalled (219 ms against a 30 ms profile, as a request ended
+# here) moved an average of weight 0.2 to 2.3x, every verify time looked 2.3 times dearer while
+# the draft model's did not, and the next request, prose, drafted chains of 3 for 12 steps at
+# 110 ms a step (33 tokens where plain steps took 27 ms a token): 9% of that request.
+SCALE_STEPS = 16
 OUTLIER = 3.0  # a draft step over this many times the usual time per level is left out
 # Before a draft model has taken in any context, what it costs a token is priced at this share
 # of the target's per-token time in its largest calibrated pass (the default draft has a third
@@ -111,6 +118,7 @@ class CostModel:
         self.per_token_known = False  # b was fitted from steps of two sizes or more
         self.profile: dict[int, float] = {}  # verify seconds by tokens, timed at start
         self.scale = 1.0  # passes now against the profile (other load, a longer context)
+        self._ratios: deque[float] = deque(maxlen=SCALE_STEPS)  # (what the scale is made of)
         self.round_trip = 0.0  # seconds a step waits for model-free trees alone (moving average)
         self.catch_up: float | None = None  # draft model seconds per context token (average)
         self.catch_up_prior = 0.0  # ... before any was measured (from the profile)
@@ -132,7 +140,8 @@ class CostModel:
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify.append((tokens, seconds))
         if self.profile:
-            self.scale += VERIFY_EWMA * (seconds / float(self._shape(tokens)) - self.scale)
+            self._ratios.append(seconds / float(self._shape(tokens)))
+            self.scale = statistics.median(self._ratios)
         self._observed(self.verify)
 
     def verify_seconds(self, tokens: int | np.ndarray) -> float | np.ndarray:

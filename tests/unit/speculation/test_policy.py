@@ -9,6 +9,7 @@ import pytest
 from specserve.speculation.policy import (
     EXPLORE_ALPHA,
     PROBE_EVERY,
+    SCALE_STEPS,
     AdaptivePolicy,
     Candidate,
     Coefficients,
@@ -159,6 +160,24 @@ def test_a_measured_profile_prices_the_kernels_blocks():
         cost.observe_verify(1, 0.116)  # (other processes on the cores: plain steps take 2x)
     assert cost.verify_seconds(4) == pytest.approx(0.194, rel=0.01)  # every count 2x
     assert policy.budgets([Candidate(8, 0.8)], 0) == [3]  # the same shape: the same budget
+
+
+def test_one_stalled_step_leaves_the_price_of_a_pass_alone():
+    """The profile's scale is the median of the last steps: a step that other work stalled
+    (7x its profile, as a request ended beside it) moves no price, so the next steps do not
+    find the draft model cheap beside passes that look 2.3x dearer; a slowdown that lasts
+    moves every price within SCALE_STEPS steps."""
+    policy = AdaptivePolicy(8)
+    policy.cost.calibrate(INT4_PROFILE)
+    cost = policy.cost
+    for _ in range(20):
+        cost.observe_verify(1, 0.058)
+    cost.observe_verify(1, 7 * 0.058)
+    assert cost.verify_seconds(4) == pytest.approx(0.097)
+    cost.observe_verify(4, 0.097)
+    for _ in range(SCALE_STEPS // 2 + 1):
+        cost.observe_verify(1, 2 * 0.058)
+    assert cost.verify_seconds(4) == pytest.approx(2 * 0.097)
 
 
 def test_acceptance_estimates_move_from_the_prior_to_what_is_measured():
