@@ -2,8 +2,8 @@
 speculation on and off, at several concurrencies, decode rate and accepted length per category.
 
     python -m benchmarks.spec_bench [--per-category 1] [--tokens 96] [--concurrency 1,4,16]
-                                    [--dtype auto] [--workload spec_bench] [--out DIR]
-                                    [--set SECTION.KEY=VALUE ...] [--keep-logs DIR]
+                                    [--dtype auto] [--workload spec_bench] [--rounds 1]
+                                    [--out DIR] [--set SECTION.KEY=VALUE ...] [--keep-logs DIR]
 
 At concurrency c each category is measured under a load of its own kind: --per-category
 groups of c streams of that category's questions sent at once (first turn and system
@@ -26,6 +26,12 @@ a machine whose speed drifts. Each stream is timed as benchmarks.speculative tim
 (token arrivals at the client): decode tokens/s = tokens after the first / time from the
 first to the last; per concurrency, the tokens of all streams over the time their groups
 took.
+
+With --rounds N all of it runs N times, each round on a fresh cluster (which has learned
+nothing of the questions, so they are asked again): every figure is then the median over the
+rounds, with each round's beside it (`<name>_by_round`), and a speedup is the median of each
+round's own on over off. Rows at L 1.00, where both modes do the same work, read 0.80-1.12x in
+one round on a 2-core EPYC: one round of one question a category cannot settle a 0.97 target.
 Writes <out>/spec_bench.json and <out>/spec_bench.png.
 """
 
@@ -226,6 +232,58 @@ def summary(rows: list[dict], results: list[dict], wall: float) -> dict:
     }
 
 
+def add_speedups(modes: dict) -> None:
+    """Speculation on over off, within one run: in all per concurrency (`speedup_total`) and
+    per category (`speedup`), on the `on` mode's rows."""
+    for c, on in modes["on"].items():
+        off = modes["off"][c]
+        on["speedup_total"] = round(on["tokens_per_s_total"] / off["tokens_per_s_total"], 3)
+        for category, row in on["categories"].items():
+            base = off["categories"][category]["decode_tokens_per_s"]
+            row["speedup"] = round(row["decode_tokens_per_s"] / base, 3) if base else None
+
+
+def report(modes: dict, which: str = "") -> None:
+    for c, on in modes["on"].items():
+        print(
+            f"concurrency {c}{which}: {on['speedup_total']}x in all; by category "
+            + " ".join(f"{k}={v['speedup']}" for k, v in on["categories"].items()),
+            flush=True,
+        )
+
+
+# Figures merge_rounds takes the median of; the speedups among them are each round's own ratio.
+MEDIAN_FIELDS = frozenset(
+    {
+        "tokens_per_s_total",
+        "speedup_total",
+        "decode_tokens_per_s",
+        "mean_accepted_length",
+        "ttft_ms",
+        "speedup",
+    }
+)
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """Several rounds' modes (each with its speedups) as one: every figure the median over
+    the rounds, each round's beside it (`<name>_by_round`); other fields as they were where
+    every round agrees, else round by round."""
+    first, out = rounds[0], {}
+    for name, value in first.items():
+        values = [r[name] for r in rounds]
+        if isinstance(value, dict):
+            out[name] = merge_rounds(values)
+        elif name in MEDIAN_FIELDS and None not in values:
+            out[name] = round(statistics.median(values), 3)
+            out[f"{name}_by_round"] = values
+        elif all(v == value for v in values):
+            out[name] = value
+        else:
+            out[f"{name}_by_round"] = values
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -239,29 +297,39 @@ def main() -> None:
         default="spec_bench",
         help=f"comma-separated: {', '.join(workloads.NAMES)}, or .jsonl paths (see workloads.py)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times all of it runs, each round on a fresh cluster; figures are then medians "
+        "over rounds and speedups the median of each round's own",
+    )
     cluster_arguments(p)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     streams = sum(int(c) for c in args.concurrency.split(","))
     rows = workloads.rows(args.workload, args.per_category * streams)
-    modes = run(rows, args)
-    for c, on in modes["on"].items():
-        off = modes["off"][c]
-        on["speedup_total"] = round(on["tokens_per_s_total"] / off["tokens_per_s_total"], 3)
-        for category, row in on["categories"].items():
-            base = off["categories"][category]["decode_tokens_per_s"]
-            row["speedup"] = round(row["decode_tokens_per_s"] / base, 3) if base else None
-        print(
-            f"concurrency {c}: {on['speedup_total']}x in all; by category "
-            + " ".join(f"{k}={v['speedup']}" for k, v in on["categories"].items()),
-            flush=True,
-        )
+    rounds = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {r + 1} of {args.rounds}", flush=True)
+        modes = run(rows, args)
+        add_speedups(modes)
+        report(modes)
+        rounds.append(modes)
+    modes = rounds[0] if args.rounds == 1 else merge_rounds(rounds)
+    if args.rounds > 1:
+        report(modes, f", median of {args.rounds} rounds")
     record = {
         "command": f"python -m benchmarks.spec_bench --per-category {args.per_category} "
         f"--tokens {args.tokens} --concurrency {args.concurrency} --dtype {args.dtype} "
-        f"--workload {args.workload}" + "".join(f" --set {o}" for o in args.set),
+        f"--workload {args.workload} --rounds {args.rounds}"
+        + "".join(f" --set {o}" for o in args.set),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "questions": len(rows),
+        "rounds": args.rounds,
         "modes": modes,
     }
     args.out.mkdir(parents=True, exist_ok=True)
