@@ -33,6 +33,10 @@ Every proposer takes config/specserve.yaml's drafter settings otherwise.
 Questions are replayed in file order as one tenant, so the suffix tree learns from earlier
 answers as it would in the service.
 
+For a proposer that scores its nodes (suffix, hybrid), `score_bins` holds, per bin of the
+node score, how many nodes its trees had and the share whose path the output followed: the
+verifier's prior for its score calibration (policy.SCORE_PRIOR) is that table.
+
 With --profile (a verifier's log, whose "verify profile measured" line holds the ms of a
 forward pass by its tokens, or a JSON file of such a map), each category also gets its
 `perfect_cut_speedup`: plain decoding's time (a one-token pass a token) over the time of the
@@ -216,22 +220,56 @@ def accepted(tree, reference: list[int]) -> int:
     return count
 
 
+def kept_nodes(tree, reference: list[int]) -> np.ndarray:
+    """Per node of the tree, whether `reference` follows the path from the root to it."""
+    kept = np.zeros(len(tree), dtype=bool)
+    depths = tree.depths()
+    for node, (token, parent) in enumerate(zip(tree.token_ids, tree.parents, strict=True)):
+        d = depths[node]  # (the reference token it stands for)
+        kept[node] = (parent == -1 or kept[parent]) and d < len(reference) and reference[d] == token
+    return kept
+
+
 def replay(proposer, name: str, prompt: list[int], output: list[int], qid: int) -> dict:
+    from specserve.speculation.policy import SCORE_BINS, count_by_bin
     from specserve.speculation.proposer import DraftJob
 
     seq_id = f"{name}-{qid}"
     budget = 16 if name == "tree" else MODEL_BUDGET
     drafted, kept = 0, []
+    by_bin = np.zeros((2, SCORE_BINS))  # (kept, checked) nodes by score bin: scored trees
     position = 0
     while position < len(output):
         job = DraftJob(seq_id, prompt + output[:position], budget, deep_budget=DEEP_BUDGET)
         tree = proposer.propose([job])[0]
         drafted += len(tree)
+        if tree.scores:
+            count_by_bin(*by_bin, tree.scores, kept_nodes(tree, output[position:]))
         kept.append(accepted(tree, output[position:]))
         position += kept[-1] + 1  # (and the target's own token)
     proposer.forget(seq_id)
     proposer.learn("", prompt + output, len(prompt))
-    return {"steps": len(kept), "tokens": len(output), "drafted": drafted, "kept": kept}
+    return {
+        "steps": len(kept),
+        "tokens": len(output),
+        "drafted": drafted,
+        "kept": kept,
+        "by_bin": by_bin,
+    }
+
+
+def score_bins(kept: np.ndarray, checked: np.ndarray) -> list[dict]:
+    """Per bin of node score (policy.SCORE_BINS): the nodes and the share of them whose path
+    the target's output followed, what the verifier's score calibration learns
+    (policy.ScoreCalibration)."""
+    return [
+        {
+            "scores": f"{b / len(checked):.1f}-{(b + 1) / len(checked):.1f}",
+            "nodes": int(n),
+            "kept": round(float(k / n), 3) if n else None,
+        }
+        for b, (k, n) in enumerate(zip(kept, checked, strict=True))
+    ]
 
 
 def read_profile(path: Path) -> dict[int, float]:
@@ -324,6 +362,16 @@ def main() -> None:
         }
         mean = statistics.mean(c["tokens_per_step"] for c in per_category.values())
         results[name] = {"mean_tokens_per_step": round(mean, 3), "categories": per_category}
+        kept_by_bin, checked_by_bin = sum(r["by_bin"] for rs in by_category.values() for r in rs)
+        if checked_by_bin.any():  # (a scored proposer: how its scores came true)
+            results[name]["score_bins"] = score_bins(kept_by_bin, checked_by_bin)
+            print(
+                f"{name:>14}: kept by node score "
+                + " ".join(
+                    f"{b['scores']}={b['kept']} ({b['nodes']})" for b in results[name]["score_bins"]
+                ),
+                flush=True,
+            )
         print(
             f"{name:>14}: {mean:.2f} tokens/step "
             f"({time.perf_counter() - started:.0f} s) "

@@ -336,16 +336,18 @@ def test_exploring_model_free_trees_ends_after_a_few_however_few_tokens_they_tes
 
 
 def test_node_scores_are_calibrated_by_what_the_target_kept_of_such_nodes():
-    """Histogram binning: a score is taken at its word until nodes of its bin are checked;
-    then the bin reads what the target kept of them, each bin apart, the oldest fading."""
-    from specserve.speculation.policy import SCORE_WINDOW_NODES, ScoreCalibration
+    """Histogram binning: a score's chance is its bin's prior (what the target kept of such
+    nodes on the public workloads, below the score) until nodes of its bin are checked; then
+    the bin reads what the target kept of them, each bin apart, the oldest fading."""
+    from specserve.speculation.policy import SCORE_PRIOR, SCORE_WINDOW_NODES, ScoreCalibration
 
     calibration = ScoreCalibration()
-    assert calibration.chances([0.93, 0.31]) == pytest.approx([0.95, 0.35])
+    assert calibration.chances([0.93, 0.31]) == pytest.approx([SCORE_PRIOR[9], SCORE_PRIOR[3]])
+    assert all(p < (b + 1) / len(SCORE_PRIOR) for b, p in enumerate(SCORE_PRIOR))
     for _ in range(100):
         calibration.observe([0.93, 0.91, 0.31], [True, False, True])
     high, low = calibration.chances([0.92, 0.35])
-    assert high == pytest.approx(0.5, abs=0.03) and low == pytest.approx(1.0, abs=0.06)
+    assert high == pytest.approx(0.5, abs=0.03) and low == pytest.approx(1.0, abs=0.07)
     for _ in range(int(SCORE_WINDOW_NODES)):
         calibration.observe([0.95], [False])
     assert calibration.checked.max() <= SCORE_WINDOW_NODES
