@@ -73,6 +73,35 @@ def test_a_perfect_cut_prices_each_step_by_its_accepted_path(tmp_path):
         read_profile(tmp_path / "other.log")
 
 
+def test_the_replay_counts_a_node_kept_where_the_output_follows_its_whole_path():
+    """What the target kept of a scored tree, by node and by score bin: a node counts only if
+    the output follows every node above it (a kept token under a rejected parent is not)."""
+    import numpy as np
+
+    from benchmarks.acceptance import kept_nodes, score_bins
+    from specserve.speculation.policy import SCORE_BINS, count_by_bin
+    from specserve.speculation.tree import DraftTree
+
+    tree = DraftTree(model_free=True)
+    a = tree.add(5, -1)  # 5 -> 6 -> 7, and 9 -> 6 (the 6 under a rejected 9)
+    b = tree.add(6, a)
+    tree.add(7, b)
+    c = tree.add(9, -1)
+    tree.add(6, c)
+    tree.scores = [0.95, 0.62, 0.55, 0.31, 0.05]
+    kept = kept_nodes(tree, [5, 6, 8])
+    assert list(kept) == [True, True, False, False, False]
+    assert list(kept_nodes(tree, [5])) == [True, False, False, False, False]  # (output ends)
+    bins = np.zeros((2, SCORE_BINS))
+    count_by_bin(*bins, tree.scores, kept)
+    table = score_bins(*bins)
+    assert [row["scores"] for row in table[:2]] == ["0.0-0.1", "0.1-0.2"]
+    assert [(row["nodes"], row["kept"]) for row in table] == [
+        (1, 0.0), (0, None), (0, None), (1, 0.0), (0, None), (1, 0.0), (1, 1.0), (0, None),
+        (0, None), (1, 1.0),
+    ]  # fmt: skip
+
+
 def test_a_missing_file_or_unknown_name_says_what_to_pass(tmp_path):
     with pytest.raises(SystemExit, match="unknown workload 'prose'.*spec_bench, code_edit"):
         workloads.rows("prose", 1)
