@@ -26,7 +26,6 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kTile = 4;  // activation rows that share one unpack of a weight block
 constexpr int64_t kRowChunk = 32;  // weight rows that the activation rows' tiles pass in turn
 // Bytes of codes ahead of the block in hand that are fetched into cache as it is unpacked: the
 // hardware's prefetcher stops at each 4 KiB page, and a decode row read 70% of the read

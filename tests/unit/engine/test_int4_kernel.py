@@ -56,8 +56,9 @@ def test_the_kernels_quantiser_writes_the_bits_of_the_reference_layout(out, inpu
 
 
 def test_every_row_count_gives_each_row_the_value_it_has_alone():
-    """1 to 21 rows: every tiling of the rows (4 at a time, the rest 3, 2 or 1; spans of blocks
-    shorter as rows grow) leaves each output bit for bit what its row gives alone."""
+    """1 to 21 rows: every tiling of the rows (4 or 8 at a time, by the path, and the rest;
+    spans of blocks shorter as rows grow) leaves each output bit for bit what its row gives
+    alone."""
     codes, scale_offset, _ = packed(71, 2048)  # (an odd count: rows in pairs, and one alone)
     x = torch.randn(21, 2048, generator=torch.Generator().manual_seed(2))
     alone = torch.cat([kernels.int4_mm(x[i : i + 1], codes, scale_offset) for i in range(21)])
@@ -69,7 +70,7 @@ def test_every_path_gives_the_same_bits():
     """Where the CPU has AVX512-VNNI int4_mm may multiply bytes with dpbusd on 512-bit or
     256-bit registers, elsewhere with maddubs; all sum the same integers exactly."""
     codes, scale_offset, _ = packed(130, 1280)
-    x = torch.randn(6, 1280, generator=torch.Generator().manual_seed(3)) * 3
+    x = torch.randn(11, 1280, generator=torch.Generator().manual_seed(3)) * 3
     x[0, :64] = 0  # whole zero groups (scale 0)
     x[1, 5] = 1e4  # one large value: the rest of its group rounds to 0
     avx2 = kernels.int4_mm_path(x, codes, scale_offset, "avx2")
@@ -78,7 +79,7 @@ def test_every_path_gives_the_same_bits():
     runs = kernels.int4_paths()
     for path in kernels.PATHS:
         if path in runs:
-            for rows in (1, 5, 6):  # (tiles of 4 and what is left)
+            for rows in (1, 4, 5, 6, 8, 9, 11):  # (tiles of 4 or 8, and what is left)
                 y = kernels.int4_mm_path(x[:rows], codes, scale_offset, path)
                 assert torch.equal(y, avx2[:rows]), (path, rows)
         else:
