@@ -144,8 +144,8 @@ def load() -> None:
 
 
 PATHS = ("avx2", "vnni256", "vnni512")  # int4_mm's instruction paths, by their number
-# Row counts choose_int4_path times: 5 too, where the 512-bit path's tiles pass 4 rows (the
-# others' largest tile) and take up to 8.
+# Row counts choose_int4_path times: 5 too, one past AVX2's largest tile (4 rows; the VNNI
+# paths' tiles take up to 8), so that calls of 5-7 rows take the path fastest there.
 PATH_PROBE_ROWS = (1, 2, 4, 5, 8, 16)
 
 
