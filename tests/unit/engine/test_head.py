@@ -50,7 +50,11 @@ def test_a_cut_head_gives_the_kept_tokens_their_own_logits_and_the_rest_minus_in
     cut = last_logits(cut_model, prompt)
     ids = vocab_ids(tokenizer, whole.shape[-1], KEEP).to(cut.device)
     assert cut.shape == whole.shape
-    assert torch.equal(cut[ids], whole[ids])
+    if kind == "float32":  # (BLAS may sum a row in another order for a narrower product: an
+        # AVX-512 Xeon's differed in the last bit; a draft's head only proposes)
+        torch.testing.assert_close(cut[ids], whole[ids], rtol=1e-5, atol=1e-6)
+    else:  # (the int8 and int4 kernels compute each output from its own row and weights)
+        assert torch.equal(cut[ids], whole[ids])
     others = torch.ones_like(cut, dtype=torch.bool)
     others[ids] = False
     assert torch.isneginf(cut[others]).all()
