@@ -13,7 +13,7 @@ from ..common.grpc_server import Server
 from ..common.settings import DrafterSettings
 from ..engine import models
 from ..speculation import draft_model
-from ..speculation.proposer import DraftJob, Proposer
+from ..speculation.proposer import DraftCost, DraftJob, Proposer
 from ..speculation.proposers import PROPOSERS
 from ..speculation.tree import DraftTree, to_proto
 from ..store import RequestStore, heartbeat_forever, now_ms
@@ -35,9 +35,19 @@ class _Held:
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, proposer: Proposer, run_ahead: bool = False):
+    def __init__(self, proposer: Proposer, run_ahead: bool = False, cost: DraftCost | None = None):
         self.proposer = proposer
         self.run_ahead = run_ahead
+        # The draft model's price as timed at start: with each stream's first answer, so that
+        # a verifier prices drafts before it has timed any (policy.CostModel.draft_prior).
+        self.cost = (
+            drafter_pb2.DraftCost(
+                level_seconds=cost.level_seconds,
+                catch_up_seconds_per_token=cost.catch_up_seconds_per_token,
+            )
+            if cost is not None
+            else None
+        )
         self._lock = threading.Lock()  # one proposal at a time: the cores are shared anyway
         # Drafting runs on one thread whichever gRPC thread serves the stream: OpenMP keeps a
         # team of workers for every thread that ran a parallel op, and a second team (a
@@ -51,9 +61,13 @@ class DrafterService(drafter_pb2_grpc.DrafterServiceServicer):
     def Speculate(self, request_iterator, context):
         held: dict[str, _Held] = {}  # sequence id -> what this stream told of it
         ahead = RunAhead() if self.run_ahead else None
+        cost = self.cost
         try:
             for request in request_iterator:
                 response, drafted = self.answer(request, held, ahead)
+                if cost is not None:
+                    response.cost.CopyFrom(cost)
+                    cost = None
                 yield response
                 if ahead is not None:  # while the verifier verifies what was just sent
                     with self._lock:
@@ -159,6 +173,15 @@ def build(settings: DrafterSettings):
             proposer = PROPOSERS[settings.proposer].from_settings(settings)
     else:
         proposer = PROPOSERS[settings.proposer].from_settings(settings)
+    cost = proposer.timed_cost()
+    if cost is not None:
+        log.info(
+            "draft model timed",
+            extra={
+                "level_ms": round(1000 * cost.level_seconds, 2),
+                "catch_up_ms_per_token": round(1000 * cost.catch_up_seconds_per_token, 2),
+            },
+        )
     store = RequestStore.connect(settings)
     store.wait_reachable()
     name = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
@@ -166,7 +189,7 @@ def build(settings: DrafterSettings):
     server = Server(
         settings.host, settings.port, [name], callers={f"/{name}/": frozenset({"verifier"})}
     )
-    service = DrafterService(proposer, settings.run_ahead)
+    service = DrafterService(proposer, settings.run_ahead, cost)
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(service, server.grpc)
     server.start()
     # Registered, verifiers find this drafter without a restart; gone, they move its sequences.

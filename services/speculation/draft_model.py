@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import llguidance.torch
@@ -25,7 +26,7 @@ from ..engine.batch import to_device
 from ..engine.flat_model import CompileFailed, FlatModel, Segment, SequenceKV
 from ..engine.head import keep_head_rows
 from .grammar import Follower, GrammarError, Grammars, apply_masks
-from .proposer import DraftJob, Proposer, TreeShape, shape_of
+from .proposer import DraftCost, DraftJob, Proposer, TreeShape, shape_of
 from .tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,29 @@ class DraftModelProposer(Proposer):
     def forget(self, seq_id: str) -> None:
         self.states.pop(seq_id, None)
         self.followers.pop(seq_id, None)
+
+    def timed_cost(self, context: int = 64, reps: int = 3) -> DraftCost:
+        """A level of a tree and a token of catch-up, timed on a scratch sequence of `context`
+        tokens: its first tree (the whole context taken in), then trees of 1 and 3 nodes after
+        one token each (levels = nodes, as the verifier's cost model counts them). The least
+        of `reps` each: other work on the cores only slows a pass."""
+        ids = list(range(100, 100 + context))  # (any tokens: the time does not depend on them)
+
+        def timed(job: DraftJob) -> float:
+            started = time.perf_counter()
+            self.propose([job])
+            return time.perf_counter() - started
+
+        first = one = three = math.inf
+        for r in range(reps):
+            seq = f"timed-cost-{r}"
+            try:
+                first = min(first, timed(DraftJob(seq, ids, 1)))
+                one = min(one, timed(DraftJob(seq, [*ids, ids[0]], 1)))
+                three = min(three, timed(DraftJob(seq, [*ids, ids[0], ids[1]], 3)))
+            finally:
+                self.forget(seq)
+        return DraftCost(max(0.0, (three - one) / 2), max(0.0, first - one) / context)
 
     def _follow(self, job: DraftJob) -> Follower | None:
         """The job's matcher at its output, if it has a grammar the drafter can follow."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from ..common.settings import DrafterSettings
 from .draft_model import DraftModelProposer
-from .proposer import DraftJob, Proposer
+from .proposer import DraftCost, DraftJob, Proposer
 from .suffix import SuffixProposer
 from .tree import DraftTree, union
 
@@ -79,6 +79,9 @@ class HybridProposer(Proposer):
         return cls(
             SuffixProposer.from_settings(settings), DraftModelProposer.from_settings(settings)
         )
+
+    def timed_cost(self) -> DraftCost | None:
+        return self.draft.timed_cost()
 
     def _calibration(self, job: DraftJob) -> _Calibration:
         """How far the sequence's suffix scores have come true. Sampling requests start from

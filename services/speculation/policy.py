@@ -144,6 +144,13 @@ class CostModel:
             self.verify.append((tokens, seconds))
         self.fit()
 
+    def draft_prior(self, level_seconds: float, catch_up_per_token: float) -> None:
+        """A drafter's own timing of its draft model (as it started): what a level costs until
+        steady draft steps are timed here, and a token of catch-up until one is."""
+        self.catch_up_prior = catch_up_per_token
+        if not self.draft:
+            self.coef.c = level_seconds
+
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.verify.append((tokens, seconds))
         if self.profile:

@@ -75,3 +75,13 @@ class Proposer(ABC):
     def learned_tokens(self) -> int:
         """Tokens of completed outputs the proposer keeps."""
         return 0
+
+    def timed_cost(self) -> DraftCost | None:
+        """What the proposer's draft model costs here, timed now; None without one."""
+        return None
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    level_seconds: float  # one more level of a tree, one sequence
+    catch_up_seconds_per_token: float  # context taken in before a sequence's first tree

@@ -494,6 +494,17 @@ class Speculator:
                 )
                 continue
             pool.breakers[address].success()
+            if response.HasField("cost") and self.policy is not None:
+                cost = response.cost
+                self.policy.cost.draft_prior(cost.level_seconds, cost.catch_up_seconds_per_token)
+                log.info(
+                    "draft model priced by its drafter",
+                    extra={
+                        "drafter": address,
+                        "level_ms": round(1000 * cost.level_seconds, 2),
+                        "catch_up_ms_per_token": round(1000 * cost.catch_up_seconds_per_token, 2),
+                    },
+                )
             sync.resynced(response.resync_ids)
             by_id = {t.sequence_id: t for t in response.trees}
             for i in members:

@@ -36,6 +36,8 @@ def test_default_pair_greedy_matches_hf_with_speculation_on_and_off(tmp_path, to
                 req = request(max_tokens=12, speculation=common_pb2.SpeculationOptions(mode=mode))
                 req.messages.messages.add(role="user", content="Write a haiku about Redis.")
                 results[mode] = generate(stub, req, timeout=300)
+        # (the draft model's drafter timed it as it started; the adaptive policy prices it so)
+        assert "draft model priced by its drafter" in cluster.procs["verifier"].log_text()
     finally:
         cluster.stop()
     text = tokenizer.apply_chat_template(

@@ -102,6 +102,9 @@ def test_concurrent_greedy_requests_equal_the_targets_output(
         assert drafter["specserve_drafter_propose_seconds_count"] > 0
         if shape.get("run_ahead"):  # the draft is the target: steps go as assumed
             assert drafter['specserve_drafter_run_ahead_total{outcome="used"}'] > 0
+        # A drafter with a draft model timed it as it started (its price for the verifiers)
+        timed = "draft model timed" in cluster.procs["drafter"].log_text()
+        assert timed == (proposer in ("draft_model", "hybrid"))
         off = generate(
             stub,
             request(

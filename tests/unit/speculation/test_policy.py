@@ -301,6 +301,38 @@ def test_a_draft_models_catch_up_is_spread_over_what_the_sequence_has_left():
     assert cost.catch_up_seconds(150) < behind
 
 
+# The default target's verify profile on a 2-core AVX2-only EPYC (Zen 3), as its verifier timed it.
+AVX2_PROFILE = {1: 0.0334, 2: 0.0391, 3: 0.0468, 4: 0.0572, 5: 0.0782, 9: 0.1373, 17: 0.2395}
+
+
+def test_a_drafters_own_timing_prices_its_draft_model_until_draft_steps_are_timed():
+    """On that EPYC the draft model's drafter timed 16 ms a level and 5 ms a token of context,
+    against 33 ms for the target's one-token pass: no tree of it pays for taking in a 39-token
+    prompt at one stream. Priced at nothing until a draft step was timed, a fresh verifier's
+    first drafting request tried it anyway (six asks, 419 ms of a 23-token answer: 0.74x its
+    plain). Its drafter's timing prices it from the start; steps timed here replace it."""
+    policy = AdaptivePolicy(8)
+    cost = policy.cost
+    cost.calibrate(AVX2_PROFILE)
+    policy.steps = 1  # away from a probe step
+
+    def budget() -> int:
+        (k,) = policy.budgets(
+            [Candidate(8, EXPLORE_ALPHA, catch_up=cost.catch_up_seconds(39), remaining=16)], 0
+        )
+        return k
+
+    assert budget() > 0  # (unpriced: tried)
+    cost.draft_prior(0.016, 0.005)
+    assert cost.catch_up_seconds(39) == pytest.approx(39 * 0.005)
+    assert cost.draft_seconds(2, 1) == pytest.approx(0.032)
+    assert budget() == 0
+    cost.observe_draft(2, 1, 0.008)  # a cheaper draft model than its drafter timed
+    assert cost.draft_seconds(2, 1) == pytest.approx(0.008, rel=0.05)
+    cost.draft_prior(0.016, 0.005)  # (a stream opened again: the timed steps stay)
+    assert cost.draft_seconds(2, 1) == pytest.approx(0.008, rel=0.05)
+
+
 def test_a_prompt_chunk_in_the_step_does_not_make_drafts_look_cheap():
     """A step that carries a 512-token prompt chunk takes seconds whatever is drafted: drafts
     are judged against plain decoding's rate without it, so poor ones stay off there too."""

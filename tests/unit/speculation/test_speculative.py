@@ -238,3 +238,12 @@ def test_sampling_with_speculation_keeps_seeded_requests_reproducible(tiny_model
         return seq.output_ids
 
     assert run() == run()
+
+
+def test_a_draft_model_times_its_levels_and_catch_up_and_keeps_nothing_of_it(tiny_model):
+    """The drafter's timing at start (sent to verifiers with each stream's first answer):
+    positive prices, and the scratch sequences forgotten."""
+    proposer = draft_model_proposer(tiny_model, SHAPES["chain"])
+    cost = proposer.timed_cost(context=32, reps=2)
+    assert cost.level_seconds > 0 and cost.catch_up_seconds_per_token > 0
+    assert not proposer.states
