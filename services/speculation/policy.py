@@ -20,12 +20,13 @@ and then the deep budgets (`deep_budgets`: as deep as a node still pays for its 
   (its 56 ms became 94 ms over one 128-token stream through the cluster, with the drafter
   and gateway on the same two cores, and a tree of 2 looked free). Drafting, when any
   sequence drafts, = e + levels * (c + d * drafting sequences), with levels = the largest
-  budget (least squares). Steps that prefill are left out of the verify fit, and steps where
+  budget (least squares; before any draft step is timed, c is the drafter's own timing of
+  its draft model, `draft_prior`, and 0 without one). Steps that prefill are left out of the verify fit, and steps where
   a drafter took in a whole prompt out of the draft fit: both costs come once per request,
   not per node.
 - The draft model's catch-up: before a sequence's first draft-model tree, the draft model
   takes in its whole context (seconds per token measured on such steps; before the first,
-  DRAFT_SHARE of the target's). That cost comes once, so it is charged to the steps in
+  the drafter's timing, or without one DRAFT_SHARE of the target's). That cost comes once, so it is charged to the steps in
   proportion to the share of the tokens it buys that they are expected to emit: the
   candidate's `remaining`, which the speculator caps at what exploring the draft model
   emits (speculator.CATCH_UP_HORIZON), since the catch-up is only known to buy that. Where
