@@ -21,18 +21,18 @@ and then the deep budgets (`deep_budgets`: as deep as a node still pays for its 
   and gateway on the same two cores, and a tree of 2 looked free). Drafting, when any
   sequence drafts, = e + levels * (c + d * drafting sequences), with levels = the largest
   budget (least squares; before any draft step is timed, c is the drafter's own timing of
-  its draft model, `draft_prior`, and 0 without one). Steps that prefill are left out of the verify fit, and steps where
-  a drafter took in a whole prompt out of the draft fit: both costs come once per request,
-  not per node.
+  its draft model, `draft_prior`, and 0 without one). Steps that prefill are left out of the
+  verify fit, and steps where a drafter took in a whole prompt out of the draft fit: both
+  costs come once per request, not per node.
 - The draft model's catch-up: before a sequence's first draft-model tree, the draft model
   takes in its whole context (seconds per token measured on such steps; before the first,
-  the drafter's timing, or without one DRAFT_SHARE of the target's). That cost comes once, so it is charged to the steps in
-  proportion to the share of the tokens it buys that they are expected to emit: the
-  candidate's `remaining`, which the speculator caps at what exploring the draft model
-  emits (speculator.CATCH_UP_HORIZON), since the catch-up is only known to buy that. Where
-  taking in a context costs more than speculation can win back in those tokens, the draft
-  model is not started (13 Spec-Bench streams at once ran at 0.80-0.85x plain while it was
-  not priced, or spread over whole answers).
+  the drafter's timing, or without one DRAFT_SHARE of the target's). That cost comes once,
+  so it is charged to the steps in proportion to the share of the tokens it buys that they
+  are expected to emit: the candidate's `remaining`, which the speculator caps at what
+  exploring the draft model emits (speculator.CATCH_UP_HORIZON), since the catch-up is only
+  known to buy that. Where taking in a context costs more than speculation can win back in
+  those tokens, the draft model is not started (13 Spec-Bench streams at once ran at
+  0.80-0.85x plain while it was not priced, or spread over whole answers).
 
 The search tries every common cap K from 0 to the configured size; under each, sequences whose
 expected gain is worth less than the time their nodes add to the step drop to 0. K = 0 is
