@@ -89,7 +89,7 @@ class Sequence:
     free_asked: int = 0  # steps that asked the drafter for a model-free tree alone ...
     free_matched: int = 0  # ... and of them those that got one worth checking (not empty)
     free_misses: int = 0  # such asks in a row that got none ...
-    free_wait: int = 0  # ... and steps left before the next (Speculator._asked_alone)
+    free_next: int = 0  # ... and the step of the next (Speculator._asked_alone)
     fallback_steps: int = 0
     prefill_ms: float = 0.0
     first_token_ms: float = 0.0  # unix ms of the first generated token

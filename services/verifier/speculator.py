@@ -60,7 +60,11 @@ CALIBRATE_RETRIES = 2
 # Steps a sequence waits, at most, before asking the drafter for a model-free tree alone
 # again, after asks that left nothing worth checking (1, 3, 7, then this many): an ask is a
 # round trip (2-6 ms against a 50 ms step here), and prose found nothing in most of them,
-# while a copy that starts is found within this many tokens.
+# while a copy that starts is found within this many tokens. The round trip is the step's,
+# whichever sequences ask in it, so the asks of a sequence that waits p - 1 steps fall on the
+# verifier's steps that are multiples of p (Speculator._asked_alone): waiting alone, four
+# streams of prose each asked every 16 steps but on steps of their own, and one step in four
+# paid a round trip (4 ms of a 60 ms step, on a Xeon); sixteen, nearly every step.
 FREE_WAIT_MAX = 15
 
 
@@ -125,6 +129,7 @@ class Speculator:
         )
         self.sync = DrafterSync()
         self._step: _StepPrice | None = None  # what `budgets` priced this step by
+        self.steps = 0  # steps priced (`budgets` calls): the clock model-free asks keep
 
     def cap(self, seq: Sequence, size: int | None = None) -> int:
         """Most tree nodes a sequence may get (`size`, or verification_tree_size; a request's
@@ -156,6 +161,7 @@ class Speculator:
         is worth about what one sequence's speculation gains in a step); with more, the
         others' loss outweighs it and they draft as usual."""
         self._step = None
+        self.steps += 1
         caps = [self.cap(s) for s in seqs]
         deep_caps = [self.cap(s, self.deep_tree_size) for s in seqs]
         drafting = sum(c > 0 or d > 0 for c, d in zip(caps, deep_caps, strict=True))
@@ -214,15 +220,11 @@ class Speculator:
             for s, k, d, cap, pin in zip(seqs, ks, deep, deep_caps, pinned, strict=True)
         ]
 
-    @staticmethod
-    def _free_ask(seq: Sequence, cap: int) -> int:
+    def _free_ask(self, seq: Sequence, cap: int) -> int:
         """The deep budget of a sequence whose draft model has none this step: its cap (the
         drafter sizes a suffix tree by its match, and a scored one is cut to what pays
         when it arrives: `_priced`), unless it waits after asks that left nothing to check."""
-        if seq.free_wait > 0:
-            seq.free_wait -= 1
-            return 0
-        return cap
+        return cap if self.steps >= seq.free_next else 0
 
     def calibrate(self, time_pass, most_tokens: int) -> dict[int, float]:
         """Times a forward pass of each token count a step of this verifier can have, up to
@@ -383,16 +385,17 @@ class Speculator:
             seq.drafted += len(tree)
         return trees
 
-    @staticmethod
-    def _asked_alone(seq: Sequence, tree: DraftTree) -> None:
+    def _asked_alone(self, seq: Sequence, tree: DraftTree) -> None:
         """A step asked the drafter for the sequence's model-free tree alone, and kept `tree`
         of what came (empty: no match, or nothing that paid): after 1, 2, 3, ... such asks in a
-        row that kept nothing, the sequence waits 1, 3, 7, ... steps (FREE_WAIT_MAX at most)
-        before it asks again."""
+        row that kept nothing, the sequence waits at least p - 1 = 1, 3, 7, ... steps
+        (FREE_WAIT_MAX at most) and asks again on the next step that is a multiple of p, so
+        that sequences which wait ask together, in one round trip."""
         seq.free_asked += 1
         seq.free_matched += len(tree) > 0
         seq.free_misses = 0 if len(tree) else seq.free_misses + 1
-        seq.free_wait = min(2**seq.free_misses - 1, FREE_WAIT_MAX)
+        period = min(2**seq.free_misses, FREE_WAIT_MAX + 1)
+        seq.free_next = -(-(self.steps + period) // period) * period  # (rounded up to p)
 
     def _priced(self, seqs: list[Sequence], trees: list[DraftTree], budgets) -> list[DraftTree]:
         """Each model-free tree cut to what pays in this step: a scored one to the first

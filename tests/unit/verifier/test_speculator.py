@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from specserve.common.settings import VerifierSettings
 
 
@@ -311,24 +313,34 @@ def test_trees_cut_to_nothing_are_scored_against_the_tokens_that_follow():
     assert seq.shadow is None and (speculator.policy.scores.checked == before).all()
 
 
-def test_asks_that_keep_nothing_back_off_and_one_that_keeps_a_tree_resets():
+def test_asks_that_keep_nothing_back_off_together_and_one_that_keeps_a_tree_resets():
     """Each ask for a model-free tree alone is a round trip to the drafter: after asks in a
-    row that kept nothing (no match, or nothing that paid) a sequence waits 1, 3, 7, then at
-    most FREE_WAIT_MAX steps before asking again; an ask that keeps a tree ends the wait."""
+    row that kept nothing (no match, or nothing that paid) a sequence waits at least 1, 3, 7,
+    then FREE_WAIT_MAX steps, and asks on the next step that is a multiple of that wait plus
+    one, so that sequences which wait, however their asks started, ask in the same steps (one
+    round trip); an ask that keeps a tree ends the wait."""
     from specserve.speculation.tree import DraftTree
     from specserve.verifier.speculator import FREE_WAIT_MAX
 
     speculator, seq = _adaptive()
-    asked_at = []
-    for step in range(60):
-        ((_, deep),) = speculator.budgets([seq])
-        if deep:
-            asked_at.append(step)
-            speculator._asked_alone(seq, DraftTree())
-    gaps = [b - a - 1 for a, b in zip(asked_at, asked_at[1:], strict=False)]
-    assert gaps[:5] == [1, 3, 7, FREE_WAIT_MAX, FREE_WAIT_MAX]
+    late = copy.deepcopy(seq)  # (a second stream, joining 5 steps later)
+    asked_at: dict[int, list[int]] = {id(seq): [], id(late): []}
+    for step in range(100):
+        running = [seq] if step < 5 else [seq, late]
+        for s, (_, deep) in zip(running, speculator.budgets(running), strict=True):
+            if deep:
+                asked_at[id(s)].append(speculator.steps)
+                speculator._asked_alone(s, DraftTree())
+    first, second = asked_at[id(seq)], asked_at[id(late)]
+    waits = [1, 3, 7, FREE_WAIT_MAX, FREE_WAIT_MAX]
+    for asks in (first, second):
+        gaps = [b - a - 1 for a, b in zip(asks, asks[1:], strict=False)]
+        assert all(gap >= wait for gap, wait in zip(gaps, waits, strict=False))
+        assert all(step % (wait + 1) == 0 for step, wait in zip(asks[1:], waits, strict=False))
+    assert first[0] == 1 and second[0] == 6  # (each asked at once)
+    assert first[-3:] == second[-3:]  # waiting the longest, they ask together
     speculator._asked_alone(seq, DraftTree([3], [-1], model_free=True))
-    assert seq.free_wait == 0 and speculator.budgets([seq]) == [(0, 64)]
+    assert seq.free_next <= speculator.steps + 1 and speculator.budgets([seq]) == [(0, 64)]
 
 
 def test_counts_timed_slower_than_larger_ones_are_timed_again():
