@@ -198,6 +198,7 @@ class LocalCluster:
     def start(
         self, timeout: float = 600.0, gateway_port: int = 0, services: tuple[str, ...] = START_ORDER
     ) -> LocalCluster:
+        _exit_on_sigterm()
         if self.redis_url is None:
             self.start_redis()
         common = self.config.setdefault("common", {})
@@ -395,6 +396,21 @@ class LocalCluster:
         if self.redis and self.redis.poll() is None:
             self.redis.terminate()
             self.redis.wait(timeout=10)
+
+
+def _exit_on_sigterm() -> None:
+    """The members run in sessions of their own (out of reach of the terminal's signals), so
+    a process that started a cluster and died by SIGTERM (a `timeout`, a kill) left it running
+    on the cores the next run times. Where SIGTERM still has its default action, in the main
+    thread, it becomes SystemExit, as Ctrl-C becomes KeyboardInterrupt: the owner's `finally`
+    (or a fixture's teardown) stops the cluster. `specserve up` has its own handler."""
+
+    def exit_(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    main = threading.current_thread() is threading.main_thread()
+    if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, exit_)
 
 
 def dev_key(cluster: LocalCluster) -> str | None:
