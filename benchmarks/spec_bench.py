@@ -32,7 +32,9 @@ With --rounds N all of it runs N times, each round on a fresh cluster (which has
 nothing of the questions, so they are asked again): every figure is then the median over the
 rounds, with each round's beside it (`<name>_by_round`), and a speedup is the median of each
 round's own on over off. Rows at L 1.00, where both modes do the same work, read 0.80-1.12x in
-one round on a 2-core EPYC: one round of one question a category cannot settle a 0.97 target.
+one round on a 2-core EPYC while a group's streams were sent at once, and 0.90-1.04x on a
+2-core Xeon since they are staggered: one round of one question a category does not settle a
+0.97 target.
 Writes <out>/spec_bench.json and <out>/spec_bench.png.
 """
 

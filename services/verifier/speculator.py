@@ -62,9 +62,9 @@ CALIBRATE_RETRIES = 2
 # round trip (2-6 ms against a 50 ms step here), and prose found nothing in most of them,
 # while a copy that starts is found within this many tokens. The round trip is the step's,
 # whichever sequences ask in it, so the asks of a sequence that waits p - 1 steps fall on the
-# verifier's steps that are multiples of p (Speculator._asked_alone): waiting alone, four
-# streams of prose each asked every 16 steps but on steps of their own, and one step in four
-# paid a round trip (4 ms of a 60 ms step, on a Xeon); sixteen, nearly every step.
+# verifier's steps that are multiples of p (Speculator._asked_alone): each on a clock of its
+# own, sixteen streams asked in a quarter of their steps (5.5 ms a round trip against 165 ms
+# steps, on a Xeon); together, in an eighth.
 FREE_WAIT_MAX = 15
 
 
