@@ -333,6 +333,7 @@ def test_asks_that_keep_nothing_back_off_together_and_one_that_keeps_a_tree_rese
                 speculator._asked_alone(s, DraftTree())
     first, second = asked_at[id(seq)], asked_at[id(late)]
     waits = [1, 3, 7, FREE_WAIT_MAX, FREE_WAIT_MAX]
+    assert len(first) > len(waits) and len(second) > len(waits)
     for asks in (first, second):
         gaps = [b - a - 1 for a, b in zip(asks, asks[1:], strict=False)]
         assert all(gap >= wait for gap, wait in zip(gaps, waits, strict=False))
