@@ -172,7 +172,8 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="run the cluster in DIR and keep its logs there (with --set "
         "verifier.log_level=DEBUG: every step's tree sizes and times, which "
-        "`python -m benchmarks.step_log DIR/verifier.log` sums per request)",
+        "`python -m benchmarks.step_log DIR/verifier.log` sums per request, or with "
+        "--groups per group of streams)",
     )
 
 
