@@ -143,7 +143,7 @@ def read(path: Path) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("log", type=Path, help="a verifier.log written at log_level DEBUG")
-    p.add_argument("--json", action="store_true", help="one JSON object per request")
+    p.add_argument("--json", action="store_true", help="one JSON object per request (or group)")
     p.add_argument(
         "--groups", action="store_true", help="sum overlapping requests as one group each"
     )
