@@ -11,7 +11,7 @@ import textwrap
 
 OWNER = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys
     from pathlib import Path
     from conftest import cluster_config
     from specserve.tools.local_cluster import LocalCluster
@@ -20,7 +20,7 @@ OWNER = textwrap.dedent(
     try:
         cluster.start(timeout=120, services=("scheduler",))
         print(cluster.redis.pid, cluster.procs["scheduler"].popen.pid, flush=True)
-        time.sleep(600)
+        signal.pause()  # (until the test's SIGTERM)
     finally:
         cluster.stop()
     """
