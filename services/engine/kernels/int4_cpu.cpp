@@ -6,14 +6,19 @@
 // groups of 32 (a float scale each), so a group's dot product is integer multiply-adds over
 // bytes, scaled once, as in llama.cpp's Q4 x Q8 kernels. Where the CPU has AVX512-VNNI the
 // bytes may be multiplied and added by dpbusd on 512-bit or 256-bit registers, elsewhere by
-// AVX2's maddubs and madd: the same integers every way, so the same outputs; which path a call
-// takes goes by its rows, as measured on the model at load (int4_set_paths).
+// AVX2's maddubs and madd, and where it has AMX-INT8 by tdpbusd on tiles of 16 x 16 rows, a
+// group at a time (int4_amx.inc): the same integers every way, scaled and summed in the same
+// order, so the same outputs; which path a call takes goes by its rows, as measured on the
+// model at load (int4_set_paths).
 // Each output element is computed from its own activation row alone, in the same order
 // whatever the number of rows, so a token's outputs do not depend on the call it shares.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -112,8 +117,15 @@ namespace vnni256 {
 }  // namespace vnni256
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")
+namespace amx {
+#include "int4_amx.inc"
+}  // namespace amx
+#pragma GCC pop_options
+
 // The instruction paths, by number (kernels.PATHS names them in this order).
-enum Path : int64_t { kAvx2 = 0, kVnni256 = 1, kVnni512 = 2, kPaths = 3 };
+enum Path : int64_t { kAvx2 = 0, kVnni256 = 1, kVnni512 = 2, kAmx = 3, kPaths = 4 };
 
 at::Tensor int4_mm_on(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so, Path path) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
@@ -152,6 +164,15 @@ at::Tensor int4_mm_on(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   const uint8_t* wq = qc.data_ptr<uint8_t>();
   const uint16_t* wso = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
+  if (path == kAmx) {  // whole strips of 16 weight rows on the tiles, the rest as vnni512's
+    const amx::Acts acts(qp, dp, sp, rows, n);
+    const int64_t strips = out / amx::kTileRows, tiled = strips * amx::kTileRows;
+    at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+      amx::rows_of(wq, wso, acts, yp, rows, n, out, s0 * amx::kTileRows, s1 * amx::kTileRows);
+    });
+    if (tiled < out) vnni::rows_of(wq, wso, qp, dp, sp, yp, rows, n, out, tiled, out);
+    return y;
+  }
   at::parallel_for(0, out, 32, [&](int64_t r0, int64_t r1) {
     switch (path) {
       case kVnni512: vnni::rows_of(wq, wso, qp, dp, sp, yp, rows, n, out, r0, r1); break;
@@ -168,15 +189,36 @@ bool vnni_supported() {
   return vnni;
 }
 
-bool runs(int64_t path) {
-  return path == kAvx2 || ((path == kVnni256 || path == kVnni512) && vnni_supported());
+// AMX-TILE and AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25), and the kernel's leave to use the
+// tiles' state: Linux hands it to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_supported() {
+  static const bool amx = [] {
+    unsigned a, b, c, d;
+    if (!vnni_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return amx;
 }
+
+bool runs(int64_t path) {
+  switch (path) {
+    case kAvx2: return true;
+    case kVnni256: case kVnni512: return vnni_supported();
+    case kAmx: return amx_supported();
+    default: return false;
+  }
+}
+
+const char* needs(int64_t path) { return path == kAmx ? "AMX-INT8" : "AVX512-VNNI"; }
 
 // The path a call of r rows takes: by_rows[min(r, kTable) - 1]. quant.quantize times every path
 // this CPU runs over a pass of the model's int4 layers and sets it (kernels.choose_int4_path);
-// all give the same bits. On an AMD EPYC (Zen 4 runs 512-bit ops in two halves) one row of the LM head
-// streamed 1.5x faster through AVX2 than through 512-bit VNNI, 16 rows 1.3x slower.
-constexpr int64_t kTable = 16;
+// all give the same bits. On an AMD EPYC (Zen 4 runs 512-bit ops in two halves) one row of the
+// LM head streamed 1.5x faster through AVX2 than through 512-bit VNNI, 16 rows 1.3x slower. The
+// last entry is every call of more than 16 rows (prompt chunks): AMX's tiles on a Xeon.
+constexpr int64_t kTable = 17;
 std::array<std::atomic<int64_t>, kTable> by_rows{};  // (zero: AVX2 until set)
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so) {
@@ -187,7 +229,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
 // One path on its own (the tests compare them; kernels.choose_int4_path times them).
 at::Tensor int4_mm_path(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so, int64_t path) {
   TORCH_CHECK(path >= 0 && path < kPaths, "int4_mm_path: no path ", path);
-  TORCH_CHECK(runs(path), "int4_mm_path: this CPU has no AVX512-VNNI for path ", path);
+  TORCH_CHECK(runs(path), "int4_mm_path: this CPU has no ", needs(path), " for path ", path);
   return int4_mm_on(x, qs, so, static_cast<Path>(path));
 }
 

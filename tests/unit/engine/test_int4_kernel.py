@@ -68,9 +68,11 @@ def test_every_row_count_gives_each_row_the_value_it_has_alone():
 
 def test_every_path_gives_the_same_bits():
     """Where the CPU has AVX512-VNNI int4_mm may multiply bytes with dpbusd on 512-bit or
-    256-bit registers, elsewhere with maddubs; all sum the same integers exactly."""
+    256-bit registers, where it has AMX-INT8 with tdpbusd on tiles, elsewhere with maddubs;
+    all sum the same integers exactly and scale them in the same order. 130 weight rows: 8
+    strips of 16 on AMX's tiles and 2 rows through 512-bit VNNI."""
     codes, scale_offset, _ = packed(130, 1280)
-    x = torch.randn(11, 1280, generator=torch.Generator().manual_seed(3)) * 3
+    x = torch.randn(40, 1280, generator=torch.Generator().manual_seed(3)) * 3
     x[0, :64] = 0  # whole zero groups (scale 0)
     x[1, 5] = 1e4  # one large value: the rest of its group rounds to 0
     avx2 = kernels.int4_mm_path(x, codes, scale_offset, "avx2")
@@ -79,11 +81,11 @@ def test_every_path_gives_the_same_bits():
     runs = kernels.int4_paths()
     for path in kernels.PATHS:
         if path in runs:
-            for rows in (1, 4, 5, 6, 8, 9, 11):  # (tiles of 4 or 8, and what is left)
+            for rows in (1, 4, 5, 6, 8, 9, 11, 16, 17, 40):  # (tiles of 4, 8 or 16, the rest)
                 y = kernels.int4_mm_path(x[:rows], codes, scale_offset, path)
                 assert torch.equal(y, avx2[:rows]), (path, rows)
         else:
-            with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+            with pytest.raises(RuntimeError, match="this CPU has no (AVX512-VNNI|AMX-INT8)"):
                 kernels.int4_mm_path(x, codes, scale_offset, path)
 
 
@@ -98,7 +100,7 @@ def test_the_path_by_rows_is_measured_and_moves_no_bit():
     assert set(chosen.values()) <= set(kernels.int4_paths())
     set_by_rows = [kernels.PATHS[p] for p in ops.int4_paths_set()]
     assert set_by_rows[0] == chosen[1] and set_by_rows[7] == chosen[8]
-    assert set_by_rows[15] == chosen[16]
+    assert set_by_rows[15] == chosen[16] and set_by_rows[16] == chosen[kernels.LARGE_ROWS]
     x = torch.randn(18, 1536, generator=torch.Generator().manual_seed(4))
     reference = kernels.int4_mm_path(x, codes, scale_offset, "avx2")
     numbers = list(ops.int4_paths())
