@@ -147,12 +147,11 @@ def load() -> None:
 
 PATHS = ("avx2", "vnni256", "vnni512", "amx")  # int4_mm's instruction paths, by their number
 # Row counts choose_int4_path times: 5 too, one past AVX2's largest tile (4 rows; the VNNI
-# paths' tiles take up to 8), so that calls of 5-7 rows take the path fastest there; and
-# LARGE_ROWS, for every call of more than 16 rows (prompt chunks: compute-bound, so timed on
-# every LARGE_SAMPLE-th layer alone).
-LARGE_ROWS = 64
+# paths' tiles take up to 8), so that calls of 5-7 rows take the path fastest there; past 16
+# (AMX's tiles), counts that are compute-bound and timed on every LARGE_SAMPLE-th layer alone.
+# The last also stands for every larger call (prompt chunks).
+PATH_PROBE_ROWS = (1, 2, 4, 5, 8, 16, 24, 32, 64)
 LARGE_SAMPLE = 8
-PATH_PROBE_ROWS = (1, 2, 4, 5, 8, 16, LARGE_ROWS)
 
 
 def choose_int4_path(
@@ -162,20 +161,21 @@ def choose_int4_path(
     `layers` ((codes, scale_offset) of a model's int4 layers: streamed from memory, as a
     forward streams them, past the caches of a large model), the best of `reps`, and has
     int4_mm take the fastest at each count for calls from that count up to the next
-    (LARGE_ROWS: every call of more than 16 rows); returns {rows: path name}. The paths give
+    (PATH_PROBE_ROWS[-1]: it and every larger call); returns {rows: path name}. The paths give
     the same bits, so this moves only time: on an AMD EPYC the default target's LM head at one
     row streamed 1.5x faster through AVX2 than through 512-bit VNNI (decode 17.8 -> 25.2
     tokens/s), and a 16-node tree took 1.3x longer; on a Xeon the MLP layers streamed 3-8%
-    faster through 256-bit VNNI at 1-4 rows and the LM head through 512-bit, and 512 prompt
-    rows through the fused gate/up layer (1,536 in, 17,920 out) took 55 ms on AMX's tiles
-    against 79 through 512-bit VNNI."""
+    faster through 256-bit VNNI at 1-4 rows and the LM head through 512-bit, and a pass of
+    the default target's layers at 32 rows took 215 ms on AMX's tiles against 273 through
+    512-bit VNNI (24 rows: 207 and 191)."""
     ops = torch.ops.specserve
     paths = list(ops.int4_paths())
     g = torch.Generator().manual_seed(0)
     inputs = {codes.shape[1] * 2 for codes, _ in layers}
 
     def best(path: int, xs: dict[int, torch.Tensor]) -> float:
-        timed = layers if len(next(iter(xs.values()))) <= 16 else layers[::LARGE_SAMPLE]
+        rows = len(next(iter(xs.values())))
+        timed = layers if rows <= 16 else layers[::LARGE_SAMPLE]
         times = []
         for _ in range(reps):
             started = time.perf_counter()
@@ -188,8 +188,8 @@ def choose_int4_path(
     for rows in PATH_PROBE_ROWS:
         xs = {n: torch.randn(rows, n, generator=g) for n in inputs}
         fastest[rows] = min(paths, key=lambda path, xs=xs: best(path, xs))
-    by_rows = [fastest[max(r for r in PATH_PROBE_ROWS if r <= n)] for n in range(1, 17)]
-    ops.int4_set_paths([*by_rows, fastest[LARGE_ROWS]])
+    by_rows = range(1, PATH_PROBE_ROWS[-1] + 1)  # (int4_cpu.cpp's table: kTable entries)
+    ops.int4_set_paths([fastest[max(r for r in PATH_PROBE_ROWS if r <= n)] for n in by_rows])
     return {rows: PATHS[path] for rows, path in fastest.items()}
 
 

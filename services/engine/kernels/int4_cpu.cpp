@@ -216,9 +216,10 @@ const char* needs(int64_t path) { return path == kAmx ? "AMX-INT8" : "AVX512-VNN
 // The path a call of r rows takes: by_rows[min(r, kTable) - 1]. quant.quantize times every path
 // this CPU runs over a pass of the model's int4 layers and sets it (kernels.choose_int4_path);
 // all give the same bits. On an AMD EPYC (Zen 4 runs 512-bit ops in two halves) one row of the
-// LM head streamed 1.5x faster through AVX2 than through 512-bit VNNI, 16 rows 1.3x slower. The
-// last entry is every call of more than 16 rows (prompt chunks): AMX's tiles on a Xeon.
-constexpr int64_t kTable = 17;
+// LM head streamed 1.5x faster through AVX2 than through 512-bit VNNI, 16 rows 1.3x slower; on
+// a Xeon a pass of the default target's layers took AMX's tiles from 28 rows (the last entry
+// is also every larger call: prompt chunks).
+constexpr int64_t kTable = 64;
 std::array<std::atomic<int64_t>, kTable> by_rows{};  // (zero: AVX2 until set)
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& so) {

@@ -100,7 +100,8 @@ def test_the_path_by_rows_is_measured_and_moves_no_bit():
     assert set(chosen.values()) <= set(kernels.int4_paths())
     set_by_rows = [kernels.PATHS[p] for p in ops.int4_paths_set()]
     assert set_by_rows[0] == chosen[1] and set_by_rows[7] == chosen[8]
-    assert set_by_rows[15] == chosen[16] and set_by_rows[16] == chosen[kernels.LARGE_ROWS]
+    assert set_by_rows[15] == chosen[16] and set_by_rows[16] == chosen[16]
+    assert set_by_rows[23] == chosen[24] and set_by_rows[-1] == chosen[64]
     x = torch.randn(18, 1536, generator=torch.Generator().manual_seed(4))
     reference = kernels.int4_mm_path(x, codes, scale_offset, "avx2")
     numbers = list(ops.int4_paths())
