@@ -31,6 +31,7 @@ import fcntl
 import functools
 import hashlib
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -167,9 +168,19 @@ def choose_int4_path(
     tokens/s), and a 16-node tree took 1.3x longer; on a Xeon the MLP layers streamed 3-8%
     faster through 256-bit VNNI at 1-4 rows and the LM head through 512-bit, and a pass of
     the default target's layers at 32 rows took 215 ms on AMX's tiles against 273 through
-    512-bit VNNI (24 rows: 207 and 191)."""
+    512-bit VNNI (24 rows: 207 and 191). SPECSERVE_INT4_PATHS (names, comma-separated) leaves
+    out the paths it does not name, to compare them in a whole service."""
     ops = torch.ops.specserve
     paths = list(ops.int4_paths())
+    if named := os.environ.get("SPECSERVE_INT4_PATHS"):
+        asked = {name.strip() for name in named.split(",")}
+        if unknown := asked - set(PATHS):
+            raise KernelError(
+                f"SPECSERVE_INT4_PATHS names no path {sorted(unknown)}; paths: {PATHS}"
+            )
+        paths = [p for p in paths if PATHS[p] in asked]
+        if not paths:
+            raise KernelError(f"SPECSERVE_INT4_PATHS={named}: this CPU runs none of them")
     g = torch.Generator().manual_seed(0)
     inputs = {codes.shape[1] * 2 for codes, _ in layers}
 

@@ -118,6 +118,24 @@ def test_the_path_by_rows_is_measured_and_moves_no_bit():
         ops.int4_set_paths(before)
 
 
+def test_the_paths_to_time_may_be_named(monkeypatch):
+    """SPECSERVE_INT4_PATHS leaves out the paths it does not name (to compare a service with
+    and without one); a name that is no path, or none this CPU runs, is refused by name."""
+    ops = torch.ops.specserve
+    codes, scale_offset, _ = packed(64, 256)
+    before = ops.int4_paths_set()
+    try:
+        monkeypatch.setenv("SPECSERVE_INT4_PATHS", "avx2")
+        chosen = kernels.choose_int4_path([(codes, scale_offset)], reps=1)
+        assert set(chosen.values()) == {"avx2"}
+        assert set(ops.int4_paths_set()) == {kernels.PATHS.index("avx2")}
+        monkeypatch.setenv("SPECSERVE_INT4_PATHS", "avx2, sse")
+        with pytest.raises(kernels.KernelError, match=r"names no path \['sse'\]"):
+            kernels.choose_int4_path([(codes, scale_offset)], reps=1)
+    finally:
+        ops.int4_set_paths(before)
+
+
 def test_shapes_that_disagree_are_refused_by_name():
     codes, scale_offset, _ = packed(8, 256)
     with pytest.raises(RuntimeError, match="int4_mm: shapes disagree"):
