@@ -184,8 +184,7 @@ def choose_int4_path(
     g = torch.Generator().manual_seed(0)
     inputs = {codes.shape[1] * 2 for codes, _ in layers}
 
-    def best(path: int, xs: dict[int, torch.Tensor]) -> float:
-        rows = len(next(iter(xs.values())))
+    def best(path: int, rows: int, xs: dict[int, torch.Tensor]) -> float:
         timed = layers if rows <= 16 else layers[::LARGE_SAMPLE]
         times = []
         for _ in range(reps):
@@ -198,7 +197,7 @@ def choose_int4_path(
     fastest = {}
     for rows in PATH_PROBE_ROWS:
         xs = {n: torch.randn(rows, n, generator=g) for n in inputs}
-        fastest[rows] = min(paths, key=lambda path, xs=xs: best(path, xs))
+        fastest[rows] = min(paths, key=lambda path, rows=rows, xs=xs: best(path, rows, xs))
     by_rows = range(1, PATH_PROBE_ROWS[-1] + 1)  # (int4_cpu.cpp's table: kTable entries)
     ops.int4_set_paths([fastest[max(r for r in PATH_PROBE_ROWS if r <= n)] for n in by_rows])
     return {rows: PATHS[path] for rows, path in fastest.items()}
