@@ -49,8 +49,9 @@ constexpr int64_t kBlock = 8;
 constexpr int kSlot[kBlock] = {0, 2, 1, 3, 4, 6, 5, 7};  // where step k's 32 bytes sit
 
 // Group g of an activation row (32 values at x) -> its int8 codes, in the block layout within
-// the block at q, its scale d = amax / 127 and d * (the sum of its codes) s. Rounds to nearest
-// even as std::nearbyint does (AVX2's conversion under the default rounding mode).
+// the block at q, its scale d = amax / 127 and d * (the sum of its codes) s (d and s: the
+// block's 8, at g % kBlock). Rounds to nearest even as std::nearbyint does (AVX2's conversion
+// under the default rounding mode).
 inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], amax = _mm256_setzero_ps();
@@ -78,22 +79,57 @@ inline void quantize_group(const float* x, int64_t g, int8_t* q, float* d, float
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-  d[g] = top / 127.f;
-  s[g] = d[g] * static_cast<float>(_mm_cvtsi128_si32(t));
+  const int64_t i = g % kBlock;
+  d[i] = top / 127.f;
+  s[i] = d[i] * static_cast<float>(_mm_cvtsi128_si32(t));
 }
 
 // Block b of one activation row of `cols` values (n padded) -> int8 codes [256 at q] and its
-// groups' d and s. Groups past `cols` (the weights' zero padding to whole blocks) are zeros.
+// groups' d and s [8 at d, s]. Groups past `cols` (the weights' zero padding to whole blocks)
+// are zeros.
 void quantize_block(const float* x, int64_t cols, int64_t b, int8_t* q, float* d, float* s) {
   for (int64_t g = b * kBlock; g < (b + 1) * kBlock; ++g) {
     if (g * kGroup < cols) {
       quantize_group(x + g * kGroup, g, q, d, s);
     } else {
       for (int k = 0; k < 8; ++k) std::memset(q + kSlot[k] * 32 + (g % kBlock) * 4, 0, 4);
-      d[g] = s[g] = 0.f;
+      d[g % kBlock] = s[g % kBlock] = 0.f;
     }
   }
 }
+
+// A call's quantised activation rows, in tiles of kLayoutRows rows, and within a tile block by
+// block: [tile][block][row in the tile][256 codes], d and s [tile][block][row][8]. The rows of a
+// tile then sit 256 bytes (8 floats) apart within a block and a tile's loop addresses them all
+// from one pointer at fixed offsets: with a pointer a row, 8 rows' pointers had outgrown the
+// registers. The last tile holds what rows are left (one row: a row's blocks in order).
+constexpr int64_t kLayoutRows = 8;
+struct RowTile {  // rows [m, m + count) of a tile of `height` rows: row m's block 0 at q, d, s
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t height, m, count;
+};
+struct Rows {
+  int8_t* q;
+  float* d;
+  float* s;
+  int64_t rows, blocks;
+  // rows in row m's tile
+  int64_t height(int64_t m) const {
+    return std::min(kLayoutRows, rows - m / kLayoutRows * kLayoutRows);
+  }
+  // row m's block b, counted in blocks of one row
+  int64_t at(int64_t m, int64_t b) const {
+    return m / kLayoutRows * kLayoutRows * blocks + b * height(m) + m % kLayoutRows;
+  }
+  int8_t* q_at(int64_t m, int64_t b) const { return q + at(m, b) * kBlock * kGroup; }
+  float* d_at(int64_t m, int64_t b) const { return d + at(m, b) * kBlock; }
+  float* s_at(int64_t m, int64_t b) const { return s + at(m, b) * kBlock; }
+  RowTile tile(int64_t m, int64_t count) const {
+    return {q_at(m, 0), d_at(m, 0), s_at(m, 0), height(m), m, count};
+  }
+};
 
 namespace avx2 {
 #include "int4_rows.inc"
@@ -150,34 +186,31 @@ at::Tensor int4_mm_on(const at::Tensor& x, const at::Tensor& qs, const at::Tenso
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0 || out == 0) return y;
   const float* xp = xc.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float* dp = xd.data_ptr<float>();
-  float* sp = xs.data_ptr<float>();
   const int64_t blocks = groups / kBlock;
+  const Rows acts{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), rows, blocks};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / blocks, b = i % blocks;
-      quantize_block(xp + m * cols, cols, b, qp + m * n + b * kBlock * kGroup, dp + m * groups,
-                     sp + m * groups);
+      quantize_block(xp + m * cols, cols, b, acts.q_at(m, b), acts.d_at(m, b), acts.s_at(m, b));
     }
   });
   const uint8_t* wq = qc.data_ptr<uint8_t>();
   const uint16_t* wso = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   if (path == kAmx) {  // whole strips of 16 weight rows on the tiles, the rest as vnni512's
-    const amx::Acts acts(qp, dp, sp, rows, n);
+    const amx::Acts tiles(acts, n);
     const int64_t strips = out / amx::kTileRows, tiled = strips * amx::kTileRows;
     at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-      amx::rows_of(wq, wso, acts, yp, rows, n, out, s0 * amx::kTileRows, s1 * amx::kTileRows);
+      amx::rows_of(wq, wso, tiles, yp, rows, n, out, s0 * amx::kTileRows, s1 * amx::kTileRows);
     });
-    if (tiled < out) vnni::rows_of(wq, wso, qp, dp, sp, yp, rows, n, out, tiled, out);
+    if (tiled < out) vnni::rows_of(wq, wso, acts, yp, n, out, tiled, out);
     return y;
   }
   at::parallel_for(0, out, 32, [&](int64_t r0, int64_t r1) {
     switch (path) {
-      case kVnni512: vnni::rows_of(wq, wso, qp, dp, sp, yp, rows, n, out, r0, r1); break;
-      case kVnni256: vnni256::rows_of(wq, wso, qp, dp, sp, yp, rows, n, out, r0, r1); break;
-      default: avx2::rows_of(wq, wso, qp, dp, sp, yp, rows, n, out, r0, r1); break;
+      case kVnni512: vnni::rows_of(wq, wso, acts, yp, n, out, r0, r1); break;
+      case kVnni256: vnni256::rows_of(wq, wso, acts, yp, n, out, r0, r1); break;
+      default: avx2::rows_of(wq, wso, acts, yp, n, out, r0, r1); break;
     }
   });
   return y;

@@ -57,10 +57,10 @@ def test_the_kernels_quantiser_writes_the_bits_of_the_reference_layout(out, inpu
 
 def test_every_row_count_gives_each_row_the_value_it_has_alone():
     """1 to 21 rows: every tiling of the rows (4 or 8 at a time, by the path, and the rest;
-    spans of blocks shorter as rows grow) leaves each output bit for bit what its row gives
-    alone."""
-    codes, scale_offset, _ = packed(71, 2048)  # (an odd count: rows in pairs, and one alone)
-    x = torch.randn(21, 2048, generator=torch.Generator().manual_seed(2))
+    tiles of more than 4 rows in spans of 8 blocks, their sums kept between spans) leaves each
+    output bit for bit what its row gives alone."""
+    codes, scale_offset, _ = packed(71, 4608)  # (an odd count: rows in pairs, and one alone)
+    x = torch.randn(21, 4608, generator=torch.Generator().manual_seed(2))  # (18 blocks)
     alone = torch.cat([kernels.int4_mm(x[i : i + 1], codes, scale_offset) for i in range(21)])
     for rows in range(1, 22):
         assert torch.equal(kernels.int4_mm(x[:rows], codes, scale_offset), alone[:rows]), rows
@@ -70,9 +70,10 @@ def test_every_path_gives_the_same_bits():
     """Where the CPU has AVX512-VNNI int4_mm may multiply bytes with dpbusd on 512-bit or
     256-bit registers, where it has AMX-INT8 with tdpbusd on tiles, elsewhere with maddubs;
     all sum the same integers exactly and scale them in the same order. 130 weight rows: 8
-    strips of 16 on AMX's tiles and 2 rows through 512-bit VNNI."""
-    codes, scale_offset, _ = packed(130, 1280)
-    x = torch.randn(40, 1280, generator=torch.Generator().manual_seed(3)) * 3
+    strips of 16 on AMX's tiles and 2 rows through 512-bit VNNI; 10 blocks of inputs: tiles of
+    more than 4 rows take them in two spans."""
+    codes, scale_offset, _ = packed(130, 2560)
+    x = torch.randn(40, 2560, generator=torch.Generator().manual_seed(3)) * 3
     x[0, :64] = 0  # whole zero groups (scale 0)
     x[1, 5] = 1e4  # one large value: the rest of its group rounds to 0
     avx2 = kernels.int4_mm_path(x, codes, scale_offset, "avx2")
