@@ -56,14 +56,18 @@ def test_the_kernels_quantiser_writes_the_bits_of_the_reference_layout(out, inpu
 
 
 def test_every_row_count_gives_each_row_the_value_it_has_alone():
-    """1 to 21 rows: every tiling of the rows (4 or 8 at a time, by the path, and the rest;
-    tiles of more than 4 rows in spans of 8 blocks, their sums kept between spans) leaves each
-    output bit for bit what its row gives alone."""
+    """1 to 21 rows, through every path this CPU runs: every tiling of the rows (4 or 8 at a
+    time, by the path, and the rest; tiles of more than 4 rows in spans of 8 blocks, their sums
+    kept between spans) leaves each output bit for bit what its row gives alone."""
     codes, scale_offset, _ = packed(71, 4608)  # (an odd count: rows in pairs, and one alone)
     x = torch.randn(21, 4608, generator=torch.Generator().manual_seed(2))  # (18 blocks)
-    alone = torch.cat([kernels.int4_mm(x[i : i + 1], codes, scale_offset) for i in range(21)])
-    for rows in range(1, 22):
-        assert torch.equal(kernels.int4_mm(x[:rows], codes, scale_offset), alone[:rows]), rows
+    for path in kernels.int4_paths():
+        alone = torch.cat(
+            [kernels.int4_mm_path(x[i : i + 1], codes, scale_offset, path) for i in range(21)]
+        )
+        for rows in range(1, 22):
+            y = kernels.int4_mm_path(x[:rows], codes, scale_offset, path)
+            assert torch.equal(y, alone[:rows]), (path, rows)
 
 
 def test_every_path_gives_the_same_bits():
